@@ -1,0 +1,100 @@
+"""from_pretrained: orchestration only. Each step lives in its own module."""
+
+from __future__ import annotations
+
+import os
+import types
+from datetime import timedelta
+
+import torch
+from accelerate import init_empty_weights
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from . import log, plans
+from .checkpoint.files import find_weights, resolve_directory
+from .checkpoint.keys import tie_targets, wants_for
+from .checkpoint.load import read_local
+from .checkpoint.save import push, save_pretrained
+from .mesh import raise_if_any_failed, setup
+from .rotate import install
+from .training import allow_mixed_parameters
+
+
+def from_pretrained(
+    pretrained_model_name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    device_mesh: DeviceMesh | None = None,
+    timeout: float | timedelta | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
+    **config_kwargs,
+) -> PreTrainedModel:
+    """Load a causal-LM checkpoint with its weights rotated across all ranks. Every rank calls it.
+
+    Returns the real transformers class (e.g. LlamaForCausalLM) with vanilla's parameter names and
+    global shapes; rotated parameters are Shard(0) DTensors on the `rtp` mesh, of which this rank
+    holds and reads from disk only its own chunk. Under torchrun or `accelerate launch` the process
+    group is started from the environment if needed (NCCL for CUDA, gloo on CPU); in a single
+    process the model is plain PyTorch.
+
+    Args:
+        dtype: "auto" (the checkpoint's config.dtype, as transformers does) or a torch dtype.
+        device: where parameters live; default this rank's GPU (LOCAL_RANK) if CUDA is present, else CPU.
+        device_mesh: a 1-D mesh over all ranks to rotate on; made for you by default.
+        timeout: seconds (or timedelta) any collective may wait before failing; default 10 minutes.
+        config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
+    """
+    topology = setup(device, device_mesh, timeout)
+    directory = resolve_directory(os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only)
+    config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
+    if unused:
+        raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+    plan = plans.get(config.model_type)
+    dtype = _resolve_dtype(dtype, config)
+
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    resolution = plan.resolve(model)
+
+    error = None
+    try:
+        checkpoint = find_weights(directory)
+        entries = checkpoint.tensors()
+        wants = wants_for(model, resolution, topology)
+        tensors = read_local(entries, wants, dtype, topology.device)
+    except Exception as err:
+        error = err
+    raise_if_any_failed(error, topology.group)  # one rank's bad read is everyone's error, not a hang later
+    unexpected = sorted(set(entries) - set(wants) - set(tie_targets(model)))
+    if unexpected:
+        log.warning(f"checkpoint tensors not used by {type(model).__name__}: {', '.join(unexpected[:8])}")
+
+    install(model, resolution, tensors, topology)
+    if os.path.exists(os.path.join(directory, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    model.hf_rtp_topology = topology
+    model.hf_rtp_plan = plan
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.push_to_hub = types.MethodType(push, model)
+    if topology.world_size > 1:
+        allow_mixed_parameters()
+    log.info(
+        f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s): "
+        f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
+    )
+    return model.eval()  # as transformers' from_pretrained does
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype must be 'auto' or a torch dtype such as 'bfloat16', got {dtype!r}")
+        dtype = getattr(torch, dtype)
+    return dtype

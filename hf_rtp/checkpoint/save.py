@@ -1,0 +1,250 @@
+"""save_pretrained / push_to_hub for rotated models: what vanilla transformers writes, gathered tensor by tensor.
+
+Every rank calls it. Rank 0 of the `rtp` mesh writes; rotated tensors reach it one at a time
+(a gather of the dim-0 chunks), so no rank ever holds more than one full tensor (I7).
+Files are staged in a hidden folder and moved into place with the entry point (model.safetensors
+or its index) last: a crash mid-save never leaves a checkpoint that looks whole but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..log import info, progress
+from ..mesh import Topology, raise_if_any_failed
+from ..sharding import ChunkLayout
+from .files import INDEX_NAME, SINGLE_NAME
+from .keys import tie_targets
+from .safetensors_io import CheckpointError, StreamingWriter
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' -> 5 * 10**9 and '5GiB' -> 5 * 2**30, as transformers reads max_shard_size."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size must be bytes or like '5GB', got {size!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Greedy, in order, like huggingface_hub: a tensor larger than the limit gets a file of its own."""
+    shards, current, used = [], [], 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _gather_parts(tensor: torch.Tensor, topology: Topology) -> list[torch.Tensor] | None:
+    """The full tensor on rank 0 as its dim-0 chunks (no concatenated copy); None elsewhere."""
+    if not isinstance(tensor, DTensor):
+        return [tensor] if topology.rank == 0 else None
+    layout = ChunkLayout((tensor.shape,), topology.world_size)
+    padded_shape = layout.shapes(0)[0]  # chunk 0 is never smaller than another
+    local = tensor.to_local()
+    if local.shape != padded_shape:
+        padded = local.new_zeros(padded_shape)
+        padded[: local.shape[0]] = local
+        local = padded
+    group = topology.group
+    received = [torch.empty_like(local) for _ in range(topology.world_size)] if topology.rank == 0 else None
+    dist.gather(local.contiguous(), received, group_dst=0, group=group)
+    if received is None:
+        return None
+    return [received[j][: layout.shapes(j)[0][0]] for j in range(topology.world_size)]
+
+
+def _tensors_to_save(model, state_dict) -> dict[str, torch.Tensor]:
+    state_dict = model.state_dict() if state_dict is None else dict(state_dict)
+    for target, source in tie_targets(model).items():
+        if model.get_parameter(target) is model.get_parameter(source):
+            state_dict.pop(target, None)  # stored once, under the name vanilla loads it from
+    for pattern in getattr(model, "_keys_to_ignore_on_save", None) or []:
+        for name in [n for n in state_dict if re.search(pattern, n)]:
+            del state_dict[name]
+    return state_dict
+
+
+def save_pretrained(
+    model,
+    save_directory: str | os.PathLike,
+    is_main_process: bool = True,
+    state_dict: dict | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = "50GB",
+    safe_serialization: bool = True,
+    variant: str | None = None,
+    **kwargs,
+):
+    """Write a standard Hugging Face checkpoint. Collective: every rank calls it; rank 0 writes.
+
+    `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always rank 0
+    of the rotation mesh, because every rank must take part in gathering the rotated tensors.
+    """
+    if not safe_serialization:
+        raise ValueError("hf_rtp writes safetensors only; drop safe_serialization=False")
+    if variant is not None:
+        raise NotImplementedError("hf_rtp does not write weight variants yet")
+    if push_to_hub:
+        repo_id = kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory).rstrip("/")))
+        return push(model, repo_id, max_shard_size=max_shard_size, save_directory=save_directory, **kwargs)
+    topology: Topology = model.hf_rtp_topology
+    save_directory = os.fspath(save_directory)
+    if os.path.isfile(save_directory):
+        raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
+    writer_rank = topology.rank == 0
+
+    tensors = _tensors_to_save(model, state_dict)
+    names = list(tensors)
+    sizes = [(n, math.prod(tensors[n].shape) * tensors[n].dtype.itemsize) for n in names]
+    shards = plan_shards(sizes, parse_size(max_shard_size))
+    filenames = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+
+    # vanilla records these on save; every rank does it so configs stay identical
+    model.config.dtype = str(next(model.parameters()).dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+
+    staging, error = None, None
+    if writer_rank:
+        os.makedirs(save_directory, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".hf_rtp-staging-", dir=save_directory)
+    bar = progress(None, desc="Saving model", total=len(names))
+    try:
+        for shard, filename in zip(shards, filenames):
+            writer = None
+            if writer_rank and error is None:
+                layout = [(n, tensors[n].dtype, tensors[n].shape) for n in shard]
+                writer = StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"})
+            for name in shard:
+                # every rank takes part in every gather, even after rank 0 failed: no one is left waiting
+                parts = _gather_parts(tensors[name], topology)
+                if writer is not None and error is None:
+                    try:
+                        writer.write(name, parts)
+                    except Exception as err:  # disk full, permissions: reported to all ranks below
+                        error = err
+                bar.update(1)
+            if writer is not None and error is None:
+                writer.close()
+        if writer_rank and error is None:
+            _write_metadata(model, staging, shards, filenames, sizes)
+            _commit(staging, save_directory, filenames)
+            info(f"Model weights saved in {save_directory}")
+    except Exception as err:
+        error = err
+    finally:
+        bar.close()
+        if staging is not None and os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+    raise_if_any_failed(error, topology.group)
+
+
+def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:
+    model.config.save_pretrained(staging)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(staging)
+    if len(shards) > 1:
+        weight_map = {name: filename for shard, filename in zip(shards, filenames) for name in shard}
+        index = {
+            "metadata": {"total_parameters": model.num_parameters(), "total_size": sum(n for _, n in sizes)},
+            "weight_map": weight_map,
+        }
+        with open(os.path.join(staging, INDEX_NAME), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _commit(staging: str, directory: str, filenames: list[str]) -> None:
+    """Move staged files into place, the file that makes the checkpoint loadable last."""
+    entry = INDEX_NAME if len(filenames) > 1 else SINGLE_NAME
+    # First remove the old entry points, so that until the new one lands nothing looks loadable.
+    for old in (INDEX_NAME, SINGLE_NAME):
+        if os.path.exists(os.path.join(directory, old)):
+            os.remove(os.path.join(directory, old))
+    for old in os.listdir(directory):
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", old) and old not in filenames:
+            os.remove(os.path.join(directory, old))
+    staged = sorted(os.listdir(staging), key=lambda name: name == entry)
+    for name in staged:
+        os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def push(
+    model,
+    repo_id: str,
+    commit_message: str | None = None,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    max_shard_size: int | str = "5GB",
+    create_pr: bool = False,
+    revision: str | None = None,
+    save_directory: str | os.PathLike | None = None,
+    **kwargs,
+):
+    """push_to_hub: save (collectively) into a folder, then rank 0 uploads it with huggingface_hub."""
+    topology: Topology = model.hf_rtp_topology
+    folder = os.fspath(save_directory) if save_directory is not None else None
+    scratch = None
+    if folder is None:
+        scratch = tempfile.TemporaryDirectory(prefix="hf_rtp-push-")
+        folder = scratch.name
+    try:
+        save_pretrained(model, folder, max_shard_size=max_shard_size)
+        result, error = None, None
+        if topology.rank == 0:
+            try:
+                result = upload_folder(folder, repo_id, commit_message, private, token, create_pr, revision)
+            except Exception as err:
+                error = err
+        raise_if_any_failed(error, topology.group)
+        return result
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def upload_folder(folder, repo_id, commit_message=None, private=None, token=None, create_pr=False, revision=None):
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message or "Upload model (hf_rtp)",
+            create_pr=create_pr,
+            revision=revision,
+        )
+    except Exception as err:
+        raise CheckpointError(
+            f"could not push {folder} to the Hub as {repo_id} ({type(err).__name__}: {err}). "
+            "The checkpoint itself is complete: check your token and network (and HF_HUB_OFFLINE), "
+            "or upload the folder later with `huggingface-cli upload`."
+        ) from err

@@ -1,0 +1,77 @@
+"""nn.Embedding cut by vocabulary: each held chunk looks up the ids inside its range (sum).
+
+Ranges are disjoint, so "sum" is a masked write. Backward needs no weights, only the travelling
+gradient accumulator, so the embedding's weights do not rotate a second time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ring import Ring
+from ..sharding import ChunkLayout
+from .common import finish_weight_grads, local
+
+
+def _in_range(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return (ids >= start) & (ids < end)
+
+
+class _RotatedEmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, ring: Ring, layout: ChunkLayout, padding_idx: int | None):
+        out = weight.new_zeros(*ids.shape, layout.global_shapes[0][1])
+
+        def compute(j, chunk):
+            start, end = layout.bounds(j)
+            hit = _in_range(ids, start, end)
+            out[hit] = F.embedding(ids[hit] - start, chunk[0])
+
+        ring.forward_walk([weight], layout, compute)
+        ctx.save_for_backward(ids, weight)
+        ctx.ring, ctx.layout, ctx.padding_idx = ring, layout, padding_idx
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, weight = ctx.saved_tensors
+        layout = ctx.layout
+        flat_ids = ids.reshape(-1)
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.padding_idx is not None:
+            # vanilla nn.Embedding never updates its padding row
+            flat_ids = flat_ids.masked_fill(flat_ids == ctx.padding_idx, -1)
+
+        def accumulate(j, acc):
+            start, end = layout.bounds(j)
+            hit = _in_range(flat_ids, start, end)
+            acc[0].index_add_(0, flat_ids[hit] - start, g[hit].to(acc[0].dtype))
+
+        landed = None
+        if ctx.needs_input_grad[1]:
+            landed = ctx.ring.backward_walk([weight], layout, accumulate, None)
+        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring.size, first_index=1)
+        return None, grad_weight, None, None, None
+
+
+class RotatedEmbedding(nn.Embedding):
+    """A drop-in nn.Embedding whose weight is a Shard(0) DTensor over the vocabulary."""
+
+    def __init__(self, source: nn.Embedding, *, ring: Ring, weight: nn.Parameter):
+        nn.Module.__init__(self)
+        if source.max_norm is not None or source.scale_grad_by_freq or source.sparse:
+            raise NotImplementedError(
+                "hf_rtp rotates plain embeddings only; max_norm, scale_grad_by_freq and sparse are not supported"
+            )
+        self.num_embeddings, self.embedding_dim = source.num_embeddings, source.embedding_dim
+        self.padding_idx = source.padding_idx
+        self.max_norm, self.norm_type = None, source.norm_type
+        self.scale_grad_by_freq, self.sparse = False, False
+        self.weight = weight
+        self.ring = ring
+        self.layout = ChunkLayout((weight.shape,), ring.size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _RotatedEmbeddingFn.apply(ids, local(self.weight), self.ring, self.layout, self.padding_idx)

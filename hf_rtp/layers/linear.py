@@ -1,0 +1,79 @@
+"""nn.Linear cut by output features: each held chunk fills its slice of the output (concatenate).
+
+Also the LM head, tied or not: a vocabulary-split linear whose chunks are the embedding's chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ring import Ring
+from ..sharding import ChunkLayout
+from .common import finish_weight_grads, local, own_bundle
+
+
+class _RotatedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ring: Ring, layout: ChunkLayout):
+        out = x.new_empty(*x.shape[:-1], layout.rows)
+
+        def compute(j, chunk):
+            start, end = layout.bounds(j)
+            out[..., start:end] = F.linear(x, *chunk)
+
+        ring.forward_walk(own_bundle(weight, bias), layout, compute)
+        # Only the input is kept for backward; the weights are fetched again by the backward walk.
+        ctx.save_for_backward(x, weight, bias)
+        ctx.ring, ctx.layout = ring, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias = ctx.saved_tensors
+        ring, layout = ctx.ring, ctx.layout
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+        wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+
+        def accumulate(j, acc):
+            start, end = layout.bounds(j)
+            g = g2[:, start:end]
+            acc[0].addmm_(g.t(), x2)
+            if bias is not None:
+                acc[1].add_(g.sum(0))
+
+        def input_grad(j, chunk):
+            start, end = layout.bounds(j)
+            grad_x.addmm_(g2[:, start:end], chunk[0])
+
+        landed = ring.backward_walk(
+            own_bundle(weight, bias),
+            layout,
+            accumulate if wants_weight_grad else None,
+            input_grad if grad_x is not None else None,
+        )
+        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring.size, first_index=1)
+        return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None
+
+
+class RotatedLinear(nn.Linear):
+    """A drop-in nn.Linear whose weight (and bias) is a Shard(0) DTensor rotated around the ring.
+
+    It stays an nn.Linear (global in/out features, vanilla parameter names) so PEFT, Trainer and
+    `named_parameters()` see what they expect.
+    """
+
+    def __init__(self, source: nn.Linear, *, ring: Ring, weight: nn.Parameter, bias: nn.Parameter | None = None):
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a full weight
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = weight
+        self.bias = bias
+        self.ring = ring
+        shapes = (weight.shape,) if bias is None else (weight.shape, bias.shape)
+        self.layout = ChunkLayout(tuple(shapes), ring.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RotatedLinearFn.apply(x, local(self.weight), local(self.bias), self.ring, self.layout)

@@ -1,0 +1,54 @@
+"""Put loaded tensors into an empty (meta) model: rotated modules get Shard(0) DTensors, the rest plain ones."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .layers import LAYERS
+from .checkpoint.keys import tie_targets
+from .mesh import Topology
+from .plans import Resolution
+
+
+def _rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
+    stride = torch.empty(shape, device="meta").stride()
+    dtensor = DTensor.from_local(local, topology.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    return nn.Parameter(dtensor)
+
+
+def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.Tensor], topology: Topology) -> None:
+    """Replace every parameter of `model` by the loaded one, and rotated modules by their rotated op."""
+    rotate = topology.world_size > 1
+    shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    params: dict[str, nn.Parameter] = {}
+    for name, tensor in tensors.items():
+        owner = name.rpartition(".")[0]
+        if rotate and owner in resolution.rotated:
+            params[name] = _rotated_parameter(tensor, shapes[name], topology)
+        else:
+            params[name] = nn.Parameter(tensor)
+    for target, source in tie_targets(model).items():
+        params[target] = params[source]
+
+    for name, param in params.items():
+        owner, _, leaf = name.rpartition(".")
+        if not (rotate and owner in resolution.rotated):
+            setattr(model.get_submodule(owner) if owner else model, leaf, param)
+    if rotate:
+        for module_name, kind in resolution.rotated.items():
+            source = model.get_submodule(module_name)
+            leaves = {leaf: params[f"{module_name}.{leaf}"] for leaf, _ in source.named_parameters(recurse=False)}
+            model.set_submodule(module_name, LAYERS[kind][1](source, ring=topology.ring, **leaves))
+            pool_like = leaves["weight"].to_local()
+            topology.ring.pool.reserve("weights", model.get_submodule(module_name).layout, pool_like)
+
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffer.to(topology.device)
+    # DDP (and so accelerate and Trainer) must leave rotated parameters alone: the ring reduces them.
+    model._ddp_params_and_buffers_to_ignore = [
+        name for name, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
+    ]

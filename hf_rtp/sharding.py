@@ -1,0 +1,47 @@
+"""How a rotated tensor is cut: dim 0, `torch.chunk` sizes, the same rule DTensor's Shard(0) uses.
+
+`torch.chunk` gives every chunk ceil(n / N) rows except the tail, which may be short or empty
+(n=10, N=4 -> 3, 3, 3, 1; n=2, N=3 -> 1, 1, 0). Loader, layers and saver all use this one rule
+(design invariant I2), so rank r's rows on disk, in memory and in the ring always agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def chunk_rows(n: int, world_size: int, index: int) -> tuple[int, int]:
+    """Row range [start, end) of chunk `index` when `n` rows are cut into `world_size` chunks."""
+    size = math.ceil(n / world_size) if n else 0
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Chunk shapes of a bundle: tensors cut together along dim 0 (a weight and its bias)."""
+
+    global_shapes: tuple[torch.Size, ...]
+    world_size: int
+
+    def __post_init__(self):
+        rows = {shape[0] for shape in self.global_shapes}
+        if len(rows) != 1:
+            raise ValueError(f"tensors rotated together must share dim 0, got {self.global_shapes}")
+
+    @property
+    def rows(self) -> int:
+        return self.global_shapes[0][0]
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        return chunk_rows(self.rows, self.world_size, index)
+
+    def shapes(self, index: int) -> list[torch.Size]:
+        start, end = self.bounds(index)
+        return [torch.Size((end - start, *shape[1:])) for shape in self.global_shapes]
+
+    def max_numel(self) -> int:
+        return max(sum(math.prod(s) for s in self.shapes(j)) for j in range(self.world_size))

@@ -1,0 +1,55 @@
+"""Data-parallel glue: averaging the gradients of replicated parameters, and DTensor/Tensor mixing."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+
+def allow_mixed_parameters() -> None:
+    """Let torch ops mix Shard(0) DTensors with plain tensors, treating the plain ones as replicated.
+
+    A rotated model holds both kinds. Without this, `clip_grad_norm_` over all parameters fails
+    ("got mixed torch.Tensor and DTensor"); with it, it returns the global norm, because replicated
+    parameters are exactly that: replicated.
+    """
+    DTensor._op_dispatcher._allow_implicit_replication = True
+
+
+def sync_grads(model: nn.Module) -> None:
+    """Average replicated parameters' gradients over all ranks, as DDP would, in one all-reduce per dtype.
+
+    Rotated parameters already hold the mean (the ring reduced them). Call it after backward in a
+    plain loop; under DDP or `accelerator.prepare` the wrapper does this instead, so do not call both.
+    """
+    topology = getattr(_unwrap(model), "hf_rtp_topology", None)
+    if topology is None or topology.world_size == 1:
+        return
+    grads = [
+        p.grad
+        for p in {id(p): p for p in model.parameters()}.values()
+        if p.grad is not None and not isinstance(p, DTensor)
+    ]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        dist.all_reduce(flat, group=topology.group)
+        flat.div_(topology.world_size)
+        for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+            g.copy_(synced)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The hf_rtp model inside DDP or PEFT wrappers."""
+    seen = model
+    while not hasattr(seen, "hf_rtp_topology"):
+        inner = getattr(seen, "module", None) or getattr(seen, "base_model", None) or getattr(seen, "model", None)
+        if inner is None or inner is seen:
+            return model
+        seen = inner
+    return seen
