@@ -40,10 +40,16 @@ def parse_size(size: int | str) -> int:
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Greedy, in order, like huggingface_hub: a tensor larger than the limit gets a file of its own."""
+    """Split in order exactly as huggingface_hub does, so files and index match a vanilla save.
+
+    A tensor larger than the limit gets a file of its own, without closing the file being filled.
+    """
     shards, current, used = [], [], 0
     for name, nbytes in sizes:
-        if current and used + nbytes > max_bytes:
+        if nbytes > max_bytes:
+            shards.append([name])
+            continue
+        if used + nbytes > max_bytes:
             shards.append(current)
             current, used = [], 0
         current.append(name)
@@ -113,7 +119,7 @@ def save_pretrained(
     writer_rank = topology.rank == 0
 
     tensors = _tensors_to_save(model, state_dict)
-    names = list(tensors)
+    names = sorted(tensors)  # vanilla splits files in sorted name order; same order, same files
     sizes = [(n, math.prod(tensors[n].shape) * tensors[n].dtype.itemsize) for n in names]
     shards = plan_shards(sizes, parse_size(max_shard_size))
     filenames = (

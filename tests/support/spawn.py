@@ -1,0 +1,84 @@
+"""Run a function on N real processes joined over gloo, as torchrun would start them.
+
+The function runs with RANK / WORLD_SIZE / MASTER_* set and no process group yet, so hf_rtp's own
+initialisation from the launcher environment is what gets exercised. Its return value (picklable)
+comes back per rank; an exception on any rank fails the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = "60"  # a bug fails in a minute instead of hanging for ten
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, env, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        HF_RTP_TIMEOUT=COLLECTIVE_TIMEOUT_S,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+        **env,
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 300, attempts: int = 3):
+    """fn(*args) on `world_size` processes; returns the per-rank results in rank order."""
+    for attempt in range(attempts):
+        try:
+            return _run_once(fn, world_size, args, env or {}, timeout)
+        except RuntimeError as err:
+            if "address already in use" not in str(err).lower() or attempt == attempts - 1:
+                raise
+
+
+def _run_once(fn, world_size, args, env, timeout):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, env, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            outcome[rank] = (ok, value)
+    except Exception:
+        raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(outcome))} gave no result within {timeout}s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [outcome[r][1] for r in range(world_size)]
