@@ -30,6 +30,7 @@ class BufferPool:
 
     def __init__(self):
         self._flat: dict[tuple, torch.Tensor] = {}
+        self._planned: dict[tuple, int] = {}
         self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
 
     def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
@@ -38,7 +39,8 @@ class BufferPool:
         flat = self._flat.get(key)
         if flat is None or flat.numel() < need:
             flat = None  # free the smaller buffer before allocating the larger one
-            flat = torch.empty(need, dtype=like.dtype, device=like.device)
+            size = max(need, self._planned.get((like.dtype, like.device), 0))
+            flat = torch.empty(size, dtype=like.dtype, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
         views, offset = [], 0
@@ -48,11 +50,13 @@ class BufferPool:
             offset += n
         return views
 
-    def reserve(self, role: str, layout: ChunkLayout, like: torch.Tensor) -> None:
-        """Grow both slots to hold `layout`'s largest chunk now, not in the middle of a step."""
-        biggest = max(range(layout.world_size), key=lambda j: sum(math.prod(s) for s in layout.shapes(j)))
-        for slot in (0, 1):
-            self.take(role, slot, layout.shapes(biggest), like)
+    def plan(self, layout: ChunkLayout, like: torch.Tensor) -> None:
+        """Size every slot for the largest chunk up front, so none is regrown mid-step.
+
+        Slots are still allocated on first use: gradient slots only once training starts.
+        """
+        key = (like.dtype, like.device)
+        self._planned[key] = max(self._planned.get(key, 0), layout.max_numel())
 
     def buffers(self, role: str) -> list[torch.Tensor]:
         return [t for (r, *_), t in self._flat.items() if r == role]

@@ -40,9 +40,9 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
         for module_name, kind in resolution.rotated.items():
             source = model.get_submodule(module_name)
             leaves = {leaf: params[f"{module_name}.{leaf}"] for leaf, _ in source.named_parameters(recurse=False)}
-            model.set_submodule(module_name, LAYERS[kind][1](source, ring=topology.ring, **leaves))
-            pool_like = leaves["weight"].to_local()
-            topology.ring.pool.reserve("weights", model.get_submodule(module_name).layout, pool_like)
+            rotated = LAYERS[kind][1](source, ring=topology.ring, **leaves)
+            model.set_submodule(module_name, rotated)
+            topology.ring.pool.plan(rotated.layout, leaves["weight"].to_local())
 
     for module in model.modules():
         for key, buffer in module._buffers.items():

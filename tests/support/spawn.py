@@ -33,8 +33,8 @@ def _worker(rank, world_size, port, fn, args, env, results):
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_VERBOSITY="error",
-        **env,
     )
+    os.environ.update(env)
     import torch
 
     torch.set_num_threads(1)

@@ -1,0 +1,145 @@
+"""Bad input ends in a clear error that names the fix: never a traceback from deep inside, never a hang."""
+
+import json
+import os
+import pickle
+import time
+
+import pytest
+import torch
+from support.models import global_batch, make_tiny_llama
+from support.spawn import run_on_ranks
+
+import hf_rtp
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"model_type 'gpt2'.*Supported: llama"):
+        hf_rtp.from_pretrained(tmp_path)
+
+
+class _Boobytrap:
+    """Unpickling this creates a marker file: proof that a loader ran pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_only_checkpoint_is_refused_unopened(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    os.remove(os.path.join(ckpt, "model.safetensors"))
+    marker = tmp_path / "unpickled"
+    with open(os.path.join(ckpt, "pytorch_model.bin"), "wb") as f:
+        pickle.dump(_Boobytrap(str(marker)), f)
+    with pytest.raises(hf_rtp.CheckpointError, match=r"only pickle weights \(pytorch_model.bin\).*safetensors"):
+        hf_rtp.from_pretrained(ckpt)
+    assert not marker.exists()
+
+
+def test_truncated_safetensors(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    path = os.path.join(ckpt, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) - 100)
+    with pytest.raises(hf_rtp.CheckpointError, match=r"model.safetensors .*truncated or corrupted.*download or save it again"):
+        hf_rtp.from_pretrained(ckpt)
+
+
+def test_corrupt_safetensors_header(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    with open(os.path.join(ckpt, "model.safetensors"), "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00garbage")
+    with pytest.raises(hf_rtp.CheckpointError, match=r"not a valid safetensors file \(header is not JSON"):
+        hf_rtp.from_pretrained(ckpt)
+
+
+def test_shard_named_in_index_is_missing(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt", max_shard_size="12KB")
+    shard = sorted(f for f in os.listdir(ckpt) if f.startswith("model-"))[1]
+    os.remove(os.path.join(ckpt, shard))
+    with pytest.raises(hf_rtp.CheckpointError, match=rf"missing file\(s\) {shard}: the download is incomplete"):
+        hf_rtp.from_pretrained(ckpt)
+
+
+def test_tensor_shape_disagrees_with_config(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    config_path = os.path.join(ckpt, "config.json")
+    config = json.load(open(config_path))
+    config["intermediate_size"] += 8
+    json.dump(config, open(config_path, "w"))
+    with pytest.raises(hf_rtp.CheckpointError, match=r"mlp\.\w+_proj\.weight has shape \[(40, 32|32, 40)\].*config.json gives \[(48, 32|32, 48)\]"):
+        hf_rtp.from_pretrained(ckpt)
+
+
+def _topology_errors(ckpt):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    errors = []
+    dist.init_process_group("gloo")
+    mesh_2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "rtp"))
+    for mesh in (mesh_2d, mesh_2d["dp"]):
+        try:
+            hf_rtp.from_pretrained(ckpt, device_mesh=mesh)
+        except hf_rtp.TopologyError as err:
+            errors.append(str(err))
+    os.environ["WORLD_SIZE"] = "3"  # a launcher that disagrees with the group already running
+    try:
+        hf_rtp.from_pretrained(ckpt)
+    except hf_rtp.TopologyError as err:
+        errors.append(str(err))
+    return errors
+
+
+def test_world_size_disagreeing_with_mesh_or_launcher(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    for errors in run_on_ranks(_topology_errors, 2, ckpt):
+        assert len(errors) == 3
+        assert "needs a 1-D device mesh" in errors[0]
+        assert "the device mesh has 1 ranks but the process group has 2" in errors[1]
+        assert "WORLD_SIZE=3 but the initialised process group has 2 ranks" in errors[2]
+
+
+def _rank1_dies_after_loading(ckpt):
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a crashed or killed rank would be
+    batch = global_batch(2)[rank]
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            model(input_ids=batch, labels=batch).loss.backward()
+    except RuntimeError as err:
+        return time.monotonic() - start, str(err)
+    return None
+
+
+def test_dead_rank_is_an_error_within_the_timeout(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    from support import spawn
+
+    # rank 1 exits without reporting; collect rank 0's outcome directly
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = spawn.free_port()
+    env = {"HF_RTP_TIMEOUT": "10"}
+    procs = [
+        ctx.Process(target=spawn._worker, args=(r, 2, port, _rank1_dies_after_loading, (ckpt,), env, results))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    rank, ok, value = results.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    assert (rank, ok) == (0, True) and value is not None, value
+    seconds, message = value
+    assert seconds < 30, "the survivor waited longer than the collective timeout"
+    assert message

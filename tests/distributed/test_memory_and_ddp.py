@@ -1,0 +1,119 @@
+"""Per-rank memory shape (1/N of parameters, gradients, optimizer state; at most two foreign chunks)
+and DDP interplay (DDP leaves rotated parameters to the ring and averages the rest)."""
+
+import os
+
+import torch
+from support.models import global_batch, make_tiny_llama
+from support.spawn import run_on_ranks
+
+
+def _rank_world():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _ddp_and_shares(ckpt):
+    import hf_rtp
+    from hf_rtp.sharding import chunk_rows
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = _rank_world()
+    batch = global_batch(world)[rank]
+    plain = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    wrapped = DDP(hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train())
+    plain(input_ids=batch, labels=batch).loss.backward()
+    hf_rtp.sync_grads(plain)
+    wrapped(input_ids=batch, labels=batch).loss.backward()
+    for (name, p), (_, q) in zip(plain.named_parameters(), wrapped.module.named_parameters()):
+        assert type(p.grad) is type(q.grad), name
+        if isinstance(p, DTensor):  # untouched by DDP: the ring's result, bit for bit
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+        else:  # DDP's bucketed mean against ours
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    # What this rank holds: rotated parameters' own chunk only, replicated ones whole.
+    params = list(plain.parameters())
+    total = sum(p.numel() for p in params)
+    replicated = sum(p.numel() for p in params if not isinstance(p, DTensor))
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    expected = replicated + sum(
+        (lambda r: (r[1] - r[0]) * p[0].numel())(chunk_rows(p.shape[0], world, rank))
+        for p in params
+        if isinstance(p, DTensor)
+    )
+    assert local == expected
+    grads_local = sum((p.grad.to_local() if isinstance(p, DTensor) else p.grad).numel() for p in params)
+    assert grads_local == local
+    torch.optim.AdamW(params, lr=1e-3).step()
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    state_local = sum(
+        (s.to_local() if isinstance(s, DTensor) else s).numel()
+        for st in opt.state.values()
+        for k, s in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    assert state_local == 2 * local
+    return local / total, replicated / total
+
+
+def test_ddp_matches_sync_grads_and_rank_holds_its_share(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt", hidden_size=64, intermediate_size=96, vocab_size=1001)
+    world = 2
+    shares = run_on_ranks(_ddp_and_shares, world, ckpt)
+    for local_share, replicated_share in shares:
+        # about 1/N: the rotated part is split evenly up to one row, plus the small replicated norms
+        assert abs(local_share - (1 - replicated_share) / world - replicated_share) < 0.01
+        assert local_share < 0.52
+
+
+def _count_live_chunks(ckpt):
+    import hf_rtp
+
+    rank, world = _rank_world()
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    ring = model.hf_rtp_topology.ring
+
+    # Spy on what each rotated op's compute step receives: which foreign chunks it ever holds.
+    foreign_per_op, walk = [], ring.forward_walk
+
+    def spying_walk(own, layout, compute):
+        storages = set()
+
+        def record(j, chunk):
+            if j != rank:
+                storages.add(chunk[0].untyped_storage().data_ptr())
+            compute(j, chunk)
+
+        walk(own, layout, record)
+        foreign_per_op.append(storages)
+
+    ring.forward_walk = spying_walk
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    batch = global_batch(world)[rank]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+
+    weight_buffers = ring.pool.buffers("weights")
+    pool = {b.untyped_storage().data_ptr() for b in weight_buffers}
+    largest = max(m.layout.max_numel() for m in model.modules() if hasattr(m, "layout"))
+    assert len(weight_buffers) == 2 and all(b.numel() == largest for b in weight_buffers)
+    assert ring.pool.allocations == 4  # two weight and two gradient slots, sized once, never regrown
+    assert len(ring.pool.buffers("grads")) == 2
+    assert len(foreign_per_op) == sum(1 for m in model.modules() if hasattr(m, "layout"))
+    assert all(len(s) == world - 1 and s <= pool for s in foreign_per_op)  # N-1 = 2 chunks, both pool slots
+    assert not saved & pool, "a foreign chunk was kept for backward"
+    return len(foreign_per_op)
+
+
+def test_rotated_op_holds_at_most_two_foreign_chunks(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    ops = run_on_ranks(_count_live_chunks, 3, ckpt)
+    assert ops[0] == 2 * 7 + 2  # 7 projections per layer, embedding, LM head

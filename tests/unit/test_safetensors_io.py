@@ -1,0 +1,63 @@
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_rtp.checkpoint.safetensors_io import CheckpointError, StreamingWriter, read_header, read_rows
+
+TENSORS = {
+    "a": torch.randn(7, 3),
+    "b": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+    "c": torch.randn(5).to(torch.bfloat16),
+    "scalar": torch.tensor(2.5),
+    "empty": torch.zeros(0, 4),
+}
+
+
+def test_reads_rows_of_files_written_by_safetensors(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    save_file(TENSORS, path)
+    entries = read_header(path)
+    assert set(entries) == set(TENSORS)
+    for name, tensor in TENSORS.items():
+        assert torch.equal(read_rows(entries[name]), tensor)
+    assert torch.equal(read_rows(entries["a"], 2, 5), TENSORS["a"][2:5])
+    assert read_rows(entries["a"], 7, 7).shape == (0, 3)
+
+
+def test_streamed_file_is_read_by_safetensors(tmp_path):
+    path = str(tmp_path / "y.safetensors")
+    writer = StreamingWriter(path, [(n, t.dtype, t.shape) for n, t in TENSORS.items()], {"format": "pt"})
+    for name, tensor in TENSORS.items():
+        parts = [tensor[:2], tensor[2:]] if tensor.dim() else [tensor]
+        writer.write(name, parts)
+    writer.close()
+    loaded = load_file(path)
+    assert set(loaded) == set(TENSORS)
+    assert all(torch.equal(loaded[n], t) for n, t in TENSORS.items())
+
+
+def test_writer_refuses_out_of_order_or_short_data(tmp_path):
+    writer = StreamingWriter(str(tmp_path / "z.safetensors"), [("a", torch.float32, torch.Size([2]))], {})
+    with pytest.raises(RuntimeError, match="header order"):
+        writer.write("b", [torch.zeros(2)])
+    with pytest.raises(RuntimeError, match="header says 8"):
+        writer.write("a", [torch.zeros(1)])
+    with pytest.raises(RuntimeError, match="closed after 0 of 1"):
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[:4], "too short for a header"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], "header claims"),
+        (lambda b: b[:-4], "ends at byte"),
+    ],
+)
+def test_damaged_files_are_named_errors(tmp_path, damage, message):
+    path = str(tmp_path / "d.safetensors")
+    save_file({"a": torch.randn(4, 4)}, path)
+    data = open(path, "rb").read()
+    open(path, "wb").write(damage(data))
+    with pytest.raises(CheckpointError, match=message):
+        read_header(path)
