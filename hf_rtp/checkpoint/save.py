@@ -26,6 +26,7 @@ from .files import INDEX_NAME, SINGLE_NAME
 from .keys import tie_targets
 from .safetensors_io import CheckpointError, StreamingWriter
 
+_STAGING_PREFIX = ".hf_rtp-staging-"
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -135,7 +136,10 @@ def save_pretrained(
     staging, error = None, None
     if writer_rank:
         os.makedirs(save_directory, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".hf_rtp-staging-", dir=save_directory)
+        for stale in os.listdir(save_directory):  # left by a save that was killed
+            if stale.startswith(_STAGING_PREFIX):
+                shutil.rmtree(os.path.join(save_directory, stale), ignore_errors=True)
+        staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=save_directory)
     bar = progress(None, desc="Saving model", total=len(names))
     try:
         for shard, filename in zip(shards, filenames):

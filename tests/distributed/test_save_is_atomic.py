@@ -1,0 +1,44 @@
+"""A save that fails half-way leaves the previous checkpoint whole and every rank with an error."""
+
+import os
+
+import torch
+from safetensors.torch import load_file
+from support.models import make_tiny_llama
+from support.spawn import run_on_ranks
+
+
+def _fail_second_save(ckpt, out):
+    import resource
+    import signal
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    model.save_pretrained(out)
+    os.makedirs(os.path.join(out, ".hf_rtp-staging-killed"), exist_ok=True)  # as a killed save leaves it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    if rank == 0:
+        # A real write failure: the kernel refuses to grow files past 20 kB (EFBIG), mid-file.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+    try:
+        model.save_pretrained(out)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    out = str(tmp_path / "out")
+    errors = run_on_ranks(_fail_second_save, 2, ckpt, out)
+    assert "File too large" in errors[0]
+    assert errors[1].startswith("RuntimeError: rank 0 failed: OSError") and "File too large" in errors[1]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    saved, original = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(ckpt, "model.safetensors"))
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in saved)  # the first save, untouched
