@@ -1,0 +1,1 @@
+"""Measurements: load memory now; the strategy benchmark later."""

@@ -1,0 +1,185 @@
+"""Peak resident memory per rank while loading a checkpoint: hf_rtp against transformers, side by side.
+
+    python -m hf_rtp.bench.load_memory --checkpoint /tmp/llama-2gb --world-size 2
+
+Makes a ~2 GB fp32 Llama checkpoint locally if the folder is empty (random weights, written tensor
+by tensor), then for each strategy starts fresh processes with MALLOC_MMAP_THRESHOLD_=65536 (so
+freed blocks go back to the OS and VmRSS measures the program, not glibc's cache), samples every
+process's VmRSS from outside every few milliseconds, and has each process read every local
+parameter once after loading (so lazily mapped weights count). Reports peak / checkpoint bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+STRATEGIES = ("rtp", "tp", "plain")
+
+
+def make_checkpoint(path: str, layers: int = 8) -> None:
+    """A Llama of ~2 GB in fp32 (about 490M parameters), written without ever holding it whole."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from accelerate import init_empty_weights
+
+    from hf_rtp.checkpoint.safetensors_io import StreamingWriter
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        dtype="float32",
+    )
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(config)
+    shapes = [(n, torch.float32, p.shape) for n, p in empty.state_dict().items()]
+    os.makedirs(path, exist_ok=True)
+    writer = StreamingWriter(os.path.join(path, "model.safetensors.tmp"), shapes, {"format": "pt"})
+    gen = torch.Generator().manual_seed(0)
+    for name, _, shape in shapes:
+        tensor = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+        writer.write(name, [tensor])
+        del tensor
+    writer.close()
+    os.replace(os.path.join(path, "model.safetensors.tmp"), os.path.join(path, "model.safetensors"))
+    config.save_pretrained(path)
+
+
+def _vm_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(strategy: str, checkpoint: str, world_size: int, interval: float = 0.002) -> list[dict]:
+    """Start the strategy's processes and return, per rank, its peak VmRSS and what it reported."""
+    world = 1 if strategy == "plain" else world_size
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            MALLOC_MMAP_THRESHOLD_="65536",
+            OMP_NUM_THREADS="1",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_VERBOSITY="error",
+        )
+        cmd = [sys.executable, "-m", "hf_rtp.bench.load_memory", "--child", strategy, "--checkpoint", checkpoint]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    peaks = [0] * world
+    running = True
+
+    def sample():
+        while running:
+            for i, p in enumerate(procs):
+                peaks[i] = max(peaks[i], _vm_rss(p.pid))
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    outputs = [p.communicate() for p in procs]
+    running = False
+    sampler.join()
+    results = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"{strategy} rank {rank} failed:\n{err[-3000:]}")
+        report = json.loads(out.strip().splitlines()[-1])
+        results.append({"rank": rank, "peak_rss": peaks[rank], **report})
+    return results
+
+
+def child(strategy: str, checkpoint: str) -> None:
+    """One process of a strategy: import, load, read every local parameter once, report."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    torch.set_num_threads(1)
+    baseline = _vm_rss(os.getpid())  # everything imported, nothing loaded: what the load adds is on top
+    start = time.perf_counter()
+    if strategy == "rtp":
+        model = hf_rtp.from_pretrained(checkpoint, dtype=torch.float32, device="cpu")
+    else:
+        extra = {"tp_plan": "auto"} if strategy == "tp" else {}
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **extra)
+    load_s = time.perf_counter() - start
+    local_bytes, checksum = 0, 0.0
+    for p in {id(p): p for p in model.parameters()}.values():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        checksum += float(local.detach().float().sum())
+        local_bytes += local.numel() * local.element_size()
+    print(json.dumps({"baseline_rss": baseline, "load_s": load_s, "local_param_bytes": local_bytes}), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="folder; a ~2 GB Llama is made there if it is empty")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--child", choices=STRATEGIES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child, args.checkpoint)
+    if not os.path.exists(os.path.join(args.checkpoint, "model.safetensors")):
+        print(f"making a ~2 GB Llama checkpoint in {args.checkpoint} ...", flush=True)
+        make_checkpoint(args.checkpoint)
+    ckpt_bytes = os.path.getsize(os.path.join(args.checkpoint, "model.safetensors"))
+    rows = {}
+    for strategy in args.strategies.split(","):
+        rows[strategy] = measure(strategy, args.checkpoint, args.world_size)
+    print(
+        f"\ncheckpoint: {ckpt_bytes / 1e9:.2f} GB. Per rank (the worst rank): 'load' is the peak VmRSS above the\n"
+        "process's VmRSS just before from_pretrained (torch, transformers, hf_rtp imported); 'process' is the\n"
+        "whole peak, import baseline included. Both as fractions of the checkpoint's bytes."
+    )
+    print(f"{'strategy':<8} {'ranks':>5} {'load':>6} {'process':>8} {'peak GB':>8} {'before GB':>9} {'params GB':>9} {'load s':>7}")
+    for strategy, results in rows.items():
+        worst = max(results, key=lambda r: r["peak_rss"] - r["baseline_rss"])
+        print(
+            f"{strategy:<8} {len(results):>5} {(worst['peak_rss'] - worst['baseline_rss']) / ckpt_bytes:>6.3f} "
+            f"{worst['peak_rss'] / ckpt_bytes:>8.3f} {worst['peak_rss'] / 1e9:>8.2f} {worst['baseline_rss'] / 1e9:>9.2f} "
+            f"{worst['local_param_bytes'] / 1e9:>9.2f} {worst['load_s']:>7.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"checkpoint_bytes": ckpt_bytes, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""dtype follows transformers: "auto" takes config.json's, an explicit one converts on load; saves record it."""
+
+import json
+import os
+
+import torch
+from support.models import global_batch, make_tiny_llama
+from support.spawn import run_on_ranks
+
+
+def _bf16_round_trip(ckpt, out):
+    import hf_rtp
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    rank = int(os.environ["RANK"])
+    auto = hf_rtp.from_pretrained(ckpt)
+    assert {p.dtype for p in auto.parameters()} == {torch.float32}  # config.json says float32
+    model = hf_rtp.from_pretrained(ckpt, dtype="bfloat16").train()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).train()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    batch = global_batch(2)[rank]
+    out_ = model(input_ids=batch, labels=batch)
+    torch.testing.assert_close(out_.logits, ref(input_ids=batch).logits, atol=2e-2, rtol=2e-2)
+    out_.loss.backward()
+    hf_rtp.sync_grads(model)
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    model.save_pretrained(out)
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.state_dict().items()}
+    if rank == 0:
+        assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+        assert all(torch.equal(t, full[n]) and t.dtype == torch.bfloat16 for n, t in reloaded.state_dict().items())
+
+
+def test_bfloat16_load_train_save(tmp_path):
+    run_on_ranks(_bf16_round_trip, 2, make_tiny_llama(tmp_path / "ckpt"), str(tmp_path / "out"))
