@@ -28,4 +28,4 @@ def warning(message: str) -> None:
 def progress(iterable, desc: str, total: int | None = None):
     """A tqdm bar on rank 0 only, silenced like transformers' own (disable_progress_bar())."""
     enabled = is_rank0() and hf_logging.is_progress_bar_enabled()
-    return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False)
+    return tqdm(iterable, desc=desc, total=total, disable=not enabled)

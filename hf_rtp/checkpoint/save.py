@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..log import info, progress
+from ..log import info, progress, warning
 from ..mesh import Topology, raise_if_any_failed
 from ..sharding import ChunkLayout
 from .files import INDEX_NAME, SINGLE_NAME
@@ -27,6 +27,8 @@ from .keys import tie_targets
 from .safetensors_io import CheckpointError, StreamingWriter
 
 _STAGING_PREFIX = ".hf_rtp-staging-"
+# what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
+_IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", "distributed_checkpoint"}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -108,11 +110,15 @@ def save_pretrained(
     """
     if not safe_serialization:
         raise ValueError("hf_rtp writes safetensors only; drop safe_serialization=False")
+    for name in _IGNORED_KWARGS:
+        kwargs.pop(name, None)
     if variant is not None:
         raise NotImplementedError("hf_rtp does not write weight variants yet")
     if push_to_hub:
         repo_id = kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory).rstrip("/")))
         return push(model, repo_id, max_shard_size=max_shard_size, save_directory=save_directory, **kwargs)
+    for name in sorted(kwargs):
+        warning(f"save_pretrained ignores {name}=")
     topology: Topology = model.hf_rtp_topology
     save_directory = os.fspath(save_directory)
     if os.path.isfile(save_directory):
@@ -218,6 +224,8 @@ def push(
     **kwargs,
 ):
     """push_to_hub: save (collectively) into a folder, then rank 0 uploads it with huggingface_hub."""
+    for name in sorted(kwargs):
+        warning(f"push_to_hub ignores {name}=")
     topology: Topology = model.hf_rtp_topology
     folder = os.fspath(save_directory) if save_directory is not None else None
     scratch = None

@@ -74,4 +74,9 @@ class RotatedEmbedding(nn.Embedding):
         self.layout = ChunkLayout((weight.shape,), ring.size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # Vanilla fails on such ids; here they would silently embed to zeros. Async: no GPU sync.
+        torch._assert_async(
+            ((ids >= 0) & (ids < self.num_embeddings)).all(),
+            f"token ids must lie in [0, {self.num_embeddings}): check the tokenizer matches the model",
+        )
         return _RotatedEmbeddingFn.apply(ids, local(self.weight), self.ring, self.layout, self.padding_idx)

@@ -143,3 +143,20 @@ def test_dead_rank_is_an_error_within_the_timeout(tmp_path):
     seconds, message = value
     assert seconds < 30, "the survivor waited longer than the collective timeout"
     assert message
+
+
+def test_path_that_is_neither_folder_nor_cached_hub_model(tmp_path):
+    with pytest.raises(hf_rtp.CheckpointError, match=r"is not a local directory and could not be fetched.*HF_HUB_OFFLINE"):
+        hf_rtp.from_pretrained(str(tmp_path / "no-such-model"))
+
+
+def test_token_ids_outside_the_vocabulary_fail_like_vanilla(tmp_path):
+    from support.models import VOCAB
+
+    from hf_rtp.layers import RotatedEmbedding
+    from hf_rtp.ring import Ring
+
+    vanilla = torch.nn.Embedding(VOCAB, 4)
+    rotated = RotatedEmbedding(vanilla, ring=Ring(None), weight=vanilla.weight)
+    with pytest.raises(RuntimeError, match=rf"token ids must lie in \[0, {VOCAB}\)"):
+        rotated(torch.tensor([[1, VOCAB]]))
