@@ -13,7 +13,7 @@ plus two foreign ones (design I3) and nothing is allocated per step.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from .sharding import ChunkLayout
 Bundle = Sequence[torch.Tensor]
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
+_COLLECT_TAG = 128
 
 
 class BufferPool:
@@ -167,3 +168,32 @@ class Ring:
                 acc = landing
             index = following
         return acc
+
+    def collect(self, own: torch.Tensor, layout: ChunkLayout) -> Iterator[torch.Tensor]:
+        """Stream a dim-0-sharded tensor's chunks to ring rank 0, in order, for writing to disk.
+
+        Rank 0 yields chunk 0..N-1 (its own first) while the next one is in flight, so it holds at
+        most two foreign chunks, never the whole tensor; they land in the weight slots, idle while
+        saving. Every other rank sends its chunk and yields nothing. Every rank must exhaust it.
+        """
+        if self.rank != 0:
+            if own.numel():
+                first = dist.get_global_rank(self.group, 0)
+                dist.isend(own.contiguous(), first, group=self.group, tag=_COLLECT_TAG).wait()
+            return
+
+        def receive(j: int):
+            (buffer,) = self.pool.take("weights", j % 2, layout.shapes(j), own)
+            source = dist.get_global_rank(self.group, j)
+            work = dist.irecv(buffer, source, group=self.group, tag=_COLLECT_TAG) if buffer.numel() else None
+            return buffer, work
+
+        incoming = receive(1) if self.size > 1 else None
+        yield own
+        for j in range(1, self.size):
+            buffer, work = incoming
+            if work is not None:
+                work.wait()
+            if j + 1 < self.size:
+                incoming = receive(j + 1)  # the other slot: this one is still being written out
+            yield buffer

@@ -73,7 +73,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(strategy: str, checkpoint: str, world_size: int, interval: float = 0.002) -> list[dict]:
+def measure(strategy: str, checkpoint: str, world_size: int, save_to: str | None = None, interval: float = 0.002) -> list[dict]:
     """Start the strategy's processes and return, per rank, its peak VmRSS and what it reported."""
     world = 1 if strategy == "plain" else world_size
     port = _free_port()
@@ -91,6 +91,8 @@ def measure(strategy: str, checkpoint: str, world_size: int, interval: float = 0
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_VERBOSITY="error",
         )
+        if save_to:
+            env["HF_RTP_BENCH_SAVE_DIR"] = save_to
         cmd = [sys.executable, "-m", "hf_rtp.bench.load_memory", "--child", strategy, "--checkpoint", checkpoint]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     peaks = [0] * world
@@ -138,12 +140,34 @@ def child(strategy: str, checkpoint: str) -> None:
         local = p.to_local() if isinstance(p, DTensor) else p
         checksum += float(local.detach().float().sum())
         local_bytes += local.numel() * local.element_size()
-    print(json.dumps({"baseline_rss": baseline, "load_s": load_s, "local_param_bytes": local_bytes}), flush=True)
+    report = {"baseline_rss": baseline, "load_s": load_s, "local_param_bytes": local_bytes}
+    save_dir = os.environ.get("HF_RTP_BENCH_SAVE_DIR")
+    if strategy == "rtp" and save_dir:
+        report.update(_measure_save(model, save_dir))
+    print(json.dumps(report), flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _measure_save(model, directory: str) -> dict:
+    """Peak VmRSS above the pre-save level while save_pretrained gathers and writes (I/O drops the GIL)."""
+    before, peak, running = _vm_rss(os.getpid()), [0], [True]
+
+    def sample():
+        while running[0]:
+            peak[0] = max(peak[0], _vm_rss(os.getpid()))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    model.save_pretrained(directory)
+    running[0] = False
+    sampler.join()
+    return {"save_added_rss": max(peak[0] - before, 0), "save_s": time.perf_counter() - start}
 
 
 def main(argv=None) -> None:
@@ -152,6 +176,7 @@ def main(argv=None) -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--save-to", help="also time hf_rtp's save_pretrained into this folder and measure its memory")
     p.add_argument("--child", choices=STRATEGIES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -176,6 +201,13 @@ def main(argv=None) -> None:
             f"{worst['peak_rss'] / ckpt_bytes:>8.3f} {worst['peak_rss'] / 1e9:>8.2f} {worst['baseline_rss'] / 1e9:>9.2f} "
             f"{worst['local_param_bytes'] / 1e9:>9.2f} {worst['load_s']:>7.1f}"
         )
+    if args.save_to:  # a run of its own: the parent's peak would otherwise mix the save into the load
+        rows["rtp_save"] = measure("rtp", args.checkpoint, args.world_size, save_to=args.save_to)
+        for r in rows["rtp_save"]:
+            print(
+                f"hf_rtp save_pretrained, rank {r['rank']}: peak {r['save_added_rss'] / ckpt_bytes:.3f} of the "
+                f"checkpoint above its pre-save memory, {r['save_s']:.1f} s"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"checkpoint_bytes": ckpt_bytes, "results": rows}, f, indent=1)

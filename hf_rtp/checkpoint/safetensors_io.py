@@ -14,6 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -140,17 +141,19 @@ class StreamingWriter:
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
         self._next = 0
 
-    def write(self, name: str, parts: list[torch.Tensor]) -> None:
-        """Write tensor `name` given as consecutive dim-0 pieces (a gathered tensor's chunks)."""
+    def write(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write tensor `name` from consecutive dim-0 pieces, each written as soon as it arrives."""
         expected, nbytes = self._order[self._next]
         if name != expected:
             raise RuntimeError(f"tensors must be written in header order: expected {expected}, got {name}")
-        blobs = [p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for p in parts]
-        if sum(b.numel() for b in blobs) != nbytes:
-            raise RuntimeError(f"{name}: {sum(b.numel() for b in blobs)} bytes, header says {nbytes}")
-        for blob in blobs:
+        written = 0
+        for part in parts:
+            blob = part.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             if blob.numel():
                 self._file.write(memoryview(blob.numpy()))
+            written += blob.numel()
+        if written != nbytes:
+            raise RuntimeError(f"{name}: {written} bytes, header says {nbytes}")
         self._next += 1
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """save_pretrained / push_to_hub for rotated models: what vanilla transformers writes, gathered tensor by tensor.
 
 Every rank calls it. Rank 0 of the `rtp` mesh writes; rotated tensors reach it one at a time
-(a gather of the dim-0 chunks), so no rank ever holds more than one full tensor (I7).
+(its dim-0 chunks streamed from their owners), so rank 0 holds at most two foreign chunks
+beyond its own parameters, never a whole tensor, let alone the model (I7).
 Files are staged in a hidden folder and moved into place with the entry point (model.safetensors
 or its index) last: a crash mid-save never leaves a checkpoint that looks whole but is not.
 """
@@ -16,7 +17,6 @@ import shutil
 import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..log import info, progress, warning
@@ -62,23 +62,11 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards
 
 
-def _gather_parts(tensor: torch.Tensor, topology: Topology) -> list[torch.Tensor] | None:
-    """The full tensor on rank 0 as its dim-0 chunks (no concatenated copy); None elsewhere."""
+def _chunks_on_rank0(tensor: torch.Tensor, topology: Topology):
+    """The full tensor as consecutive dim-0 pieces on rank 0 (streamed, never concatenated)."""
     if not isinstance(tensor, DTensor):
-        return [tensor] if topology.rank == 0 else None
-    layout = ChunkLayout((tensor.shape,), topology.world_size)
-    padded_shape = layout.shapes(0)[0]  # chunk 0 is never smaller than another
-    local = tensor.to_local()
-    if local.shape != padded_shape:
-        padded = local.new_zeros(padded_shape)
-        padded[: local.shape[0]] = local
-        local = padded
-    group = topology.group
-    received = [torch.empty_like(local) for _ in range(topology.world_size)] if topology.rank == 0 else None
-    dist.gather(local.contiguous(), received, group_dst=0, group=group)
-    if received is None:
-        return None
-    return [received[j][: layout.shapes(j)[0][0]] for j in range(topology.world_size)]
+        return iter([tensor] if topology.rank == 0 else [])
+    return topology.ring.collect(tensor.to_local(), ChunkLayout((tensor.shape,), topology.world_size))
 
 
 def _tensors_to_save(model, state_dict) -> dict[str, torch.Tensor]:
@@ -154,13 +142,15 @@ def save_pretrained(
                 layout = [(n, tensors[n].dtype, tensors[n].shape) for n in shard]
                 writer = StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"})
             for name in shard:
-                # every rank takes part in every gather, even after rank 0 failed: no one is left waiting
-                parts = _gather_parts(tensors[name], topology)
+                parts = _chunks_on_rank0(tensors[name], topology)
                 if writer is not None and error is None:
                     try:
                         writer.write(name, parts)
                     except Exception as err:  # disk full, permissions: reported to all ranks below
                         error = err
+                # every rank sees every transfer through, even after rank 0 failed: no one is left waiting
+                for _ in parts:
+                    pass
                 bar.update(1)
             if writer is not None and error is None:
                 writer.close()
