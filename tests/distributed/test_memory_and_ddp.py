@@ -68,7 +68,7 @@ def test_ddp_matches_sync_grads_and_rank_holds_its_share(tmp_path):
         assert local_share < 0.52
 
 
-def _count_live_chunks(ckpt):
+def _count_live_chunks(ckpt, out):
     import hf_rtp
 
     rank, world = _rank_world()
@@ -110,10 +110,12 @@ def _count_live_chunks(ckpt):
     assert len(foreign_per_op) == sum(1 for m in model.modules() if hasattr(m, "layout"))
     assert all(len(s) == world - 1 and s <= pool for s in foreign_per_op)  # N-1 = 2 chunks, both pool slots
     assert not saved & pool, "a foreign chunk was kept for backward"
+    model.save_pretrained(out)  # chunks stream to rank 0 through the same two weight slots
+    assert ring.pool.allocations == 4
     return len(foreign_per_op)
 
 
 def test_rotated_op_holds_at_most_two_foreign_chunks(tmp_path):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
-    ops = run_on_ranks(_count_live_chunks, 3, ckpt)
+    ops = run_on_ranks(_count_live_chunks, 3, ckpt, str(tmp_path / "out"))
     assert ops[0] == 2 * 7 + 2  # 7 projections per layer, embedding, LM head
