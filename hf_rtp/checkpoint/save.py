@@ -128,43 +128,56 @@ def save_pretrained(
     model.config.architectures = [type(model).__name__]
 
     staging, error = None, None
+
+    def attempt(step):
+        """Run one of rank 0's file steps unless an earlier one failed; remember the first failure.
+
+        The transfers go on regardless, so no rank is left waiting for a rank 0 that gave up.
+        """
+        nonlocal error
+        if error is None:
+            try:
+                return step()
+            except Exception as err:  # disk full, permissions: reported to every rank at the end
+                error = err
+        return None
+
     if writer_rank:
-        os.makedirs(save_directory, exist_ok=True)
-        for stale in os.listdir(save_directory):  # left by a save that was killed
-            if stale.startswith(_STAGING_PREFIX):
-                shutil.rmtree(os.path.join(save_directory, stale), ignore_errors=True)
-        staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=save_directory)
+        staging = attempt(lambda: _prepare_staging(save_directory))
     bar = progress(None, desc="Saving model", total=len(names))
     try:
         for shard, filename in zip(shards, filenames):
             writer = None
-            if writer_rank and error is None:
+            if writer_rank:
                 layout = [(n, tensors[n].dtype, tensors[n].shape) for n in shard]
-                writer = StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"})
+                writer = attempt(lambda: StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"}))
             for name in shard:
                 parts = _chunks_on_rank0(tensors[name], topology)
-                if writer is not None and error is None:
-                    try:
-                        writer.write(name, parts)
-                    except Exception as err:  # disk full, permissions: reported to all ranks below
-                        error = err
-                # every rank sees every transfer through, even after rank 0 failed: no one is left waiting
-                for _ in parts:
+                if writer is not None:
+                    attempt(lambda: writer.write(name, parts))
+                for _ in parts:  # drain what a failed write left unread
                     pass
                 bar.update(1)
-            if writer is not None and error is None:
-                writer.close()
-        if writer_rank and error is None:
-            _write_metadata(model, staging, shards, filenames, sizes)
-            _commit(staging, save_directory, filenames)
-            info(f"Model weights saved in {save_directory}")
-    except Exception as err:
-        error = err
+            if writer is not None:
+                attempt(writer.close)
+        if writer_rank:
+            attempt(lambda: _write_metadata(model, staging, shards, filenames, sizes))
+            attempt(lambda: _commit(staging, save_directory, filenames))
+            if error is None:
+                info(f"Model weights saved in {save_directory}")
     finally:
         bar.close()
         if staging is not None and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
     raise_if_any_failed(error, topology.group)
+
+
+def _prepare_staging(directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    for stale in os.listdir(directory):  # left by a save that was killed
+        if stale.startswith(_STAGING_PREFIX):
+            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=directory)
 
 
 def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:

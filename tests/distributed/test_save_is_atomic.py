@@ -42,3 +42,27 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
     saved, original = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(ckpt, "model.safetensors"))
     assert saved.keys() == original.keys()
     assert all(torch.equal(saved[k], original[k]) for k in saved)  # the first save, untouched
+
+
+def _save_under_a_file(ckpt, blocker):
+    import time
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    start = time.monotonic()
+    try:
+        model.save_pretrained(os.path.join(blocker, "sub"))  # rank 0 cannot even create the folder
+    except Exception as err:
+        return time.monotonic() - start, f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_rank0_failing_before_writing_fails_every_rank_promptly(tmp_path):
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    results = run_on_ranks(_save_under_a_file, 2, ckpt, str(blocker))
+    assert results[0][1].startswith("NotADirectoryError")
+    assert results[1][1].startswith("RuntimeError: rank 0 failed: NotADirectoryError")
+    assert all(seconds < 20 for seconds, _ in results)  # far inside the 60 s collective timeout
