@@ -17,7 +17,8 @@ def _fail_second_save(ckpt, out):
     rank = int(os.environ["RANK"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
     model.save_pretrained(out)
-    os.makedirs(os.path.join(out, ".hf_rtp-staging-killed"), exist_ok=True)  # as a killed save leaves it
+    if rank == 0:  # the writer's leftover from a save that was killed; only the writer makes these
+        os.makedirs(os.path.join(out, ".hf_rtp-staging-killed"), exist_ok=True)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
