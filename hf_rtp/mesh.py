@@ -27,7 +27,6 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None
     ring: Ring
-    timeout: timedelta
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -75,7 +74,7 @@ def setup(
     if not dist.is_initialized():
         if device_mesh is not None:
             raise TopologyError("a device_mesh was given but torch.distributed is not initialised")
-        return Topology(0, 1, device, None, Ring(None), timeout)
+        return Topology(0, 1, device, None, Ring(None))
 
     world = dist.get_world_size()
     if "WORLD_SIZE" in os.environ and launched != world:
@@ -92,9 +91,9 @@ def setup(
                 "hf_rtp rotates across every rank: pass a mesh over all ranks, or none"
             )
     if world == 1:
-        return Topology(0, 1, device, None, Ring(None), timeout)
+        return Topology(0, 1, device, None, Ring(None))
     mesh = device_mesh or init_device_mesh(device.type, (world,), mesh_dim_names=("rtp",))
-    return Topology(dist.get_rank(), world, device, mesh, Ring(_ring_group(mesh, timeout)), timeout)
+    return Topology(dist.get_rank(), world, device, mesh, Ring(_ring_group(mesh, timeout)))
 
 
 def _ring_group(mesh: DeviceMesh, timeout: timedelta) -> dist.ProcessGroup:

@@ -17,13 +17,13 @@ def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Te
     return [weight] if bias is None else [weight, bias]
 
 
-def finish_weight_grads(ctx, landed, world_size: int, first_index: int) -> list[torch.Tensor | None]:
-    """Turn the summed accumulators that came home into DDP's mean, None where no grad is wanted."""
+def finish_weight_grads(ctx, landed, world_size: int) -> list[torch.Tensor | None]:
+    """Turn the summed accumulators that came home into DDP's mean: [weight grad, bias grad].
+
+    Every rotated Function takes its weight as input 1 and its bias, if any, as input 2; a grad
+    is None where that input wants none (frozen, absent).
+    """
     grads = []
-    for i in range(2):
-        wanted = len(ctx.needs_input_grad) > first_index + i and ctx.needs_input_grad[first_index + i]
-        if landed is None or i >= len(landed) or not wanted:
-            grads.append(None)
-        else:
-            grads.append(landed[i].div_(world_size))
+    for i, wanted in enumerate(ctx.needs_input_grad[1:3]):
+        grads.append(landed[i].div_(world_size) if landed is not None and i < len(landed) and wanted else None)
     return grads
