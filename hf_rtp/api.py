@@ -17,6 +17,7 @@ from .checkpoint.keys import tie_targets, wants_for
 from .checkpoint.load import read_local
 from .checkpoint.save import push, save_pretrained
 from .mesh import raise_if_any_failed, setup
+from .plans.auto import auto_plan
 from .rotate import install
 from .training import allow_mixed_parameters
 
@@ -27,6 +28,7 @@ def from_pretrained(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     device_mesh: DeviceMesh | None = None,
+    plan: plans.Plan | str | None = None,
     timeout: float | timedelta | None = None,
     revision: str | None = None,
     token: str | bool | None = None,
@@ -46,6 +48,8 @@ def from_pretrained(
         dtype: "auto" (the checkpoint's config.dtype, as transformers does) or a torch dtype.
         device: where parameters live; default this rank's GPU (LOCAL_RANK) if CUDA is present, else CPU.
         device_mesh: a 1-D mesh over all ranks to rotate on; made for you by default.
+        plan: what to rotate. Default: the plan registered for config.model_type. A Plan, the
+            model_type of a registered plan, or "auto" (rotate every Linear, Conv1D and Embedding).
         timeout: seconds (or timedelta) any collective may wait before failing; default 10 minutes.
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
@@ -54,23 +58,25 @@ def from_pretrained(
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
     if unused:
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
-    plan = plans.get(config.model_type)
     dtype = _resolve_dtype(dtype, config)
+    plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
 
     error = None
     try:
         checkpoint = find_weights(directory)
         entries = checkpoint.tensors()
-        wants = wants_for(model, resolution, topology)
+        wants, stored_format = wants_for(model, resolution, topology, entries, plan.stored_formats)
         tensors = read_local(entries, wants, dtype, topology.device)
     except Exception as err:
         error = err
     raise_if_any_failed(error, topology.group)  # one rank's bad read is everyone's error, not a hang later
-    unexpected = sorted(set(entries) - set(wants) - set(tie_targets(model)))
+    used = {name for want in wants.values() for name in want.source.names}
+    unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
         log.warning(f"checkpoint tensors not used by {type(model).__name__}: {', '.join(unexpected[:8])}")
 
@@ -79,6 +85,7 @@ def from_pretrained(
         model.generation_config = GenerationConfig.from_pretrained(directory)
     model.hf_rtp_topology = topology
     model.hf_rtp_plan = plan
+    model.hf_rtp_stored_format = stored_format  # save_pretrained writes the names it was loaded from
     model.save_pretrained = types.MethodType(save_pretrained, model)
     model.push_to_hub = types.MethodType(push, model)
     if topology.world_size > 1:
@@ -88,6 +95,16 @@ def from_pretrained(
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
     )
     return model.eval()  # as transformers' from_pretrained does
+
+
+def _choose_plan(plan, model) -> plans.Plan:
+    if isinstance(plan, plans.Plan):
+        return plan
+    if plan == "auto":
+        return auto_plan(model)
+    if isinstance(plan, str):
+        return plans.get(plan)
+    raise TypeError(f"plan must be a Plan, a registered model_type or 'auto', got {type(plan).__name__}")
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:

@@ -121,16 +121,17 @@ class Ring:
         self,
         own: Bundle,
         layout: ChunkLayout,
-        accumulate: Callable[[int, Bundle], None] | None,
+        accumulate: Callable[[int, Bundle | None, Bundle], None] | None,
         input_grad: Callable[[int, Bundle], None] | None,
     ) -> list[torch.Tensor] | None:
         """Walk the ring again for backward; return this rank's summed weight gradients.
 
-        `accumulate(j, acc)` adds this rank's gradient for chunk j into `acc`, an accumulator that
-        travels with the chunk: after N hops it arrives home holding the sum over all ranks, so
-        rotated weights need no all-reduce. `input_grad(j, chunk_j)` gets the weights themselves,
-        which therefore rotate only when it is given (an embedding needs none). `accumulate` is
-        None for frozen weights, which then send no gradients at all.
+        `accumulate(j, chunk_j, acc)` adds this rank's gradient for chunk j into `acc`, an
+        accumulator that travels with the chunk: after N hops it arrives home holding the sum over
+        all ranks, so rotated weights need no all-reduce. Weights rotate only when `input_grad` is
+        given (an embedding needs none; `chunk_j` is then None); `input_grad(j, chunk_j)` runs while
+        the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
+        gradients at all.
         """
         like = own[0]
         index, held = self.rank, own
@@ -148,7 +149,7 @@ class Ring:
                     acc = self.pool.take("grads", 0, shapes, like) if self.size > 1 else [like.new_empty(s) for s in shapes]
                     for a in acc:
                         a.zero_()
-                accumulate(index, acc)
+                accumulate(index, held if input_grad is not None else None, acc)
                 if self.size > 1:
                     # The last hop brings this rank's own, complete gradient home into fresh memory:
                     # it becomes `.grad`, so it must not live in the shared pool.
@@ -169,31 +170,47 @@ class Ring:
             index = following
         return acc
 
-    def collect(self, own: torch.Tensor, layout: ChunkLayout) -> Iterator[torch.Tensor]:
-        """Stream a dim-0-sharded tensor's chunks to ring rank 0, in order, for writing to disk.
+    def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+        """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.
 
-        Rank 0 yields chunk 0..N-1 (its own first) while the next one is in flight, so it holds at
-        most two foreign chunks, never the whole tensor; they land in the weight slots, idle while
-        saving. Every other rank sends its chunk and yields nothing. Every rank must exhaust it.
+        Rank 0 yields each owner's piece, its own first, while the next one is in flight, so it
+        holds at most two foreign pieces, never the whole tensor; they land in the weight slots,
+        idle while saving. Every other rank sends its overlap and yields nothing. Every rank
+        must exhaust the iterator.
         """
+        start, end = rows or (0, layout.rows)
+
+        def overlap(j: int) -> tuple[int, int]:
+            first, last = layout.bounds(j)
+            return max(first, start), min(last, end)
+
         if self.rank != 0:
-            if own.numel():
-                first = dist.get_global_rank(self.group, 0)
-                dist.isend(own.contiguous(), first, group=self.group, tag=_COLLECT_TAG).wait()
+            lo, hi = overlap(self.rank)
+            if hi > lo:
+                first = layout.bounds(self.rank)[0]
+                piece = own[lo - first : hi - first].contiguous()
+                dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG).wait()
             return
 
-        def receive(j: int):
-            (buffer,) = self.pool.take("weights", j % 2, layout.shapes(j), own)
-            source = dist.get_global_rank(self.group, j)
-            work = dist.irecv(buffer, source, group=self.group, tag=_COLLECT_TAG) if buffer.numel() else None
-            return buffer, work
+        owners = [j for j in range(self.size) if overlap(j)[1] > overlap(j)[0]]
 
-        incoming = receive(1) if self.size > 1 else None
-        yield own
-        for j in range(1, self.size):
+        def receive(slot: int, j: int):
+            lo, hi = overlap(j)
+            shape = torch.Size((hi - lo, *own.shape[1:]))
+            (buffer,) = self.pool.take("weights", slot, [shape], own)
+            source = dist.get_global_rank(self.group, j)
+            return buffer, dist.irecv(buffer, source, group=self.group, tag=_COLLECT_TAG)
+
+        foreign = [j for j in owners if j != 0]
+        incoming = receive(0, foreign[0]) if foreign else None
+        for j in owners:
+            if j == 0:
+                lo, hi = overlap(0)
+                yield own[lo:hi]
+                continue
             buffer, work = incoming
-            if work is not None:
-                work.wait()
-            if j + 1 < self.size:
-                incoming = receive(j + 1)  # the other slot: this one is still being written out
+            work.wait()
+            position = foreign.index(j)
+            if position + 1 < len(foreign):
+                incoming = receive((position + 1) % 2, foreign[position + 1])  # the other slot
             yield buffer

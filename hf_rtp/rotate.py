@@ -24,8 +24,7 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
     shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
     params: dict[str, nn.Parameter] = {}
     for name, tensor in tensors.items():
-        owner = name.rpartition(".")[0]
-        if rotate and owner in resolution.rotated:
+        if rotate and name in resolution.rotated_params:
             params[name] = _rotated_parameter(tensor, shapes[name], topology)
         else:
             params[name] = nn.Parameter(tensor)
@@ -40,9 +39,10 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
         for module_name, kind in resolution.rotated.items():
             source = model.get_submodule(module_name)
             leaves = {leaf: params[f"{module_name}.{leaf}"] for leaf, _ in source.named_parameters(recurse=False)}
-            rotated = LAYERS[kind][1](source, ring=topology.ring, **leaves)
+            rotated = LAYERS[kind].rotated(source, ring=topology.ring, **leaves)
             model.set_submodule(module_name, rotated)
-            topology.ring.pool.plan(rotated.layout, leaves["weight"].to_local())
+            first = params[f"{module_name}.{LAYERS[kind].rotated_leaves[0]}"]
+            topology.ring.pool.plan(rotated.layout, first.to_local())
 
     for module in model.modules():
         for key, buffer in module._buffers.items():

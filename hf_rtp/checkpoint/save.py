@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -23,6 +24,7 @@ from ..log import info, progress, warning
 from ..mesh import Topology, raise_if_any_failed
 from ..sharding import ChunkLayout
 from .files import INDEX_NAME, SINGLE_NAME
+from .formats import source_for
 from .keys import tie_targets
 from .safetensors_io import CheckpointError, StreamingWriter
 
@@ -62,11 +64,39 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards
 
 
-def _chunks_on_rank0(tensor: torch.Tensor, topology: Topology):
-    """The full tensor as consecutive dim-0 pieces on rank 0 (streamed, never concatenated)."""
-    if not isinstance(tensor, DTensor):
-        return iter([tensor] if topology.rank == 0 else [])
-    return topology.ring.collect(tensor.to_local(), ChunkLayout((tensor.shape,), topology.world_size))
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor of the written checkpoint: rows (and, for per-expert names, a dim-1 slice) of a parameter."""
+
+    tensor: torch.Tensor
+    shape: torch.Size
+    rows: tuple[int, int]
+    cols: slice | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.tensor.dtype.itemsize
+
+
+def _stored_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, _Stored]:
+    """The checkpoint's tensors by stored name, in the format the model was loaded from."""
+    stored_format = getattr(model, "hf_rtp_stored_format", ())
+    out = {}
+    for name, tensor in tensors.items():
+        for stored_name, shape, rows, cols in source_for(name, tensor.shape, stored_format).stored_parts(tensor.shape):
+            out[stored_name] = _Stored(tensor, shape, rows, cols)
+    return out
+
+
+def _pieces_on_rank0(stored: _Stored, topology: Topology):
+    """The stored tensor as consecutive dim-0 pieces on rank 0 (streamed, never concatenated)."""
+    tensor, (start, end) = stored.tensor, stored.rows
+    if isinstance(tensor, DTensor):
+        layout = ChunkLayout((tensor.shape,), topology.world_size)
+        pieces = topology.ring.collect(tensor.to_local(), layout, stored.rows)
+    else:
+        pieces = iter([tensor[start:end]] if topology.rank == 0 else [])
+    return pieces if stored.cols is None else (piece[:, stored.cols] for piece in pieces)
 
 
 def _tensors_to_save(model, state_dict) -> dict[str, torch.Tensor]:
@@ -113,9 +143,9 @@ def save_pretrained(
         raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
     writer_rank = topology.rank == 0
 
-    tensors = _tensors_to_save(model, state_dict)
+    tensors = _stored_tensors(model, _tensors_to_save(model, state_dict))
     names = sorted(tensors)  # vanilla splits files in sorted name order; same order, same files
-    sizes = [(n, math.prod(tensors[n].shape) * tensors[n].dtype.itemsize) for n in names]
+    sizes = [(n, tensors[n].nbytes) for n in names]
     shards = plan_shards(sizes, parse_size(max_shard_size))
     filenames = (
         [SINGLE_NAME]
@@ -149,10 +179,10 @@ def save_pretrained(
         for shard, filename in zip(shards, filenames):
             writer = None
             if writer_rank:
-                layout = [(n, tensors[n].dtype, tensors[n].shape) for n in shard]
+                layout = [(n, tensors[n].tensor.dtype, tensors[n].shape) for n in shard]
                 writer = attempt(lambda: StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"}))
             for name in shard:
-                parts = _chunks_on_rank0(tensors[name], topology)
+                parts = _pieces_on_rank0(tensors[name], topology)
                 if writer is not None:
                     attempt(lambda: writer.write(name, parts))
                 for _ in parts:  # drain what a failed write left unread

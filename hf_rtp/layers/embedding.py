@@ -44,7 +44,7 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
             # vanilla nn.Embedding never updates its padding row
             flat_ids = flat_ids.masked_fill(flat_ids == ctx.padding_idx, -1)
 
-        def accumulate(j, acc):
+        def accumulate(j, _chunk, acc):
             start, end = layout.bounds(j)
             hit = _in_range(flat_ids, start, end)
             acc[0].index_add_(0, flat_ids[hit] - start, g[hit].to(acc[0].dtype))

@@ -38,7 +38,7 @@ class _RotatedLinearFn(torch.autograd.Function):
         grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
-        def accumulate(j, acc):
+        def accumulate(j, _chunk, acc):
             start, end = layout.bounds(j)
             g = g2[:, start:end]
             acc[0].addmm_(g.t(), x2)

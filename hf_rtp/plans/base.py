@@ -27,6 +27,9 @@ class Plan:
     replicate: tuple[str, ...] = ()
     """parameter-name globs kept whole on every rank (norms, routers); their grads are averaged"""
     name: str = field(default="custom", compare=False)
+    stored_formats: tuple = ()
+    """other ways checkpoints store these parameters (hf_rtp.checkpoint.formats); tried in order
+    after the model's own names"""
 
     def resolve(self, model: nn.Module) -> "Resolution":
         rotated: dict[str, str] = {}
@@ -39,24 +42,31 @@ class Plan:
             kind = kinds.pop()
             if kind not in LAYERS:
                 raise PlanError(f"plan '{self.name}': unknown layer kind '{kind}'; known kinds: {sorted(LAYERS)}")
-            vanilla_type = LAYERS[kind][0]
-            if not isinstance(module, vanilla_type):
+            if not LAYERS[kind].fits(module):
                 raise PlanError(
                     f"plan '{self.name}': {module_name} is a {type(module).__name__}, "
-                    f"but kind '{kind}' rotates {vanilla_type.__name__} modules"
+                    f"but kind '{kind}' rotates {LAYERS[kind].replaces} modules"
                 )
+            nested = [n for n, _ in module.named_parameters() if "." in n]
+            if nested:
+                raise PlanError(f"plan '{self.name}': rotated module {module_name} has nested parameters {nested}")
             rotated[module_name] = kind
 
-        replicated, uncovered, doubly = [], [], []
+        rotated_params, replicated, uncovered, doubly = set(), [], [], []
         for name, _ in model.named_parameters(remove_duplicate=False):
             owner, _, leaf = name.rpartition(".")
-            is_rotated = owner in rotated and leaf in ("weight", "bias")
-            is_replicated = any(fnmatchcase(name, pattern) for pattern in self.replicate)
+            kind = rotated.get(owner)
+            is_rotated = kind is not None and leaf in LAYERS[kind].rotated_leaves
+            # a rotated op's other parameters (Conv1D's bias, added after the summed partials) stay whole
+            carried = kind is not None and not is_rotated
+            is_replicated = carried or any(fnmatchcase(name, pattern) for pattern in self.replicate)
             if is_rotated and is_replicated:
                 doubly.append(name)
             elif is_replicated:
                 replicated.append(name)
-            elif not is_rotated:
+            elif is_rotated:
+                rotated_params.add(name)
+            else:
                 uncovered.append(name)
         if doubly:
             raise PlanError(f"plan '{self.name}': parameters both rotated and replicated: {_listing(doubly)}")
@@ -65,13 +75,15 @@ class Plan:
                 f"plan '{self.name}' covers neither rotation nor replication for {len(uncovered)} parameter(s): "
                 f"{_listing(uncovered)}. Add a rotate pattern for their module or a replicate pattern for them."
             )
-        return Resolution(rotated=rotated, replicated=replicated)
+        return Resolution(rotated=rotated, rotated_params=rotated_params, replicated=replicated)
 
 
 @dataclass(frozen=True)
 class Resolution:
     rotated: dict[str, str]
     """module name -> layer kind"""
+    rotated_params: set[str]
+    """parameter names cut along dim 0"""
     replicated: list[str]
     """parameter names"""
 

@@ -14,10 +14,12 @@ import hf_rtp
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
-    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"model_type 'gpt2'.*Supported: llama"):
+    config = Qwen2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=50)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"model_type 'qwen2'.*Supported: gpt2, llama, mixtral.*plan='auto'"):
         hf_rtp.from_pretrained(tmp_path)
 
 

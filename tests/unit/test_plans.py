@@ -43,12 +43,14 @@ def test_parameter_both_rotated_and_replicated_is_an_error():
 
 
 def test_kind_must_fit_module_type():
-    with pytest.raises(PlanError, match="model.norm is a LlamaRMSNorm, but kind 'linear' rotates Linear"):
+    with pytest.raises(PlanError, match="model.norm is a LlamaRMSNorm, but kind 'linear' rotates nn.Linear modules"):
         Plan(rotate={"model.norm": "linear"}).resolve(_empty_llama())
     with pytest.raises(PlanError, match="unknown layer kind 'conv'"):
         Plan(rotate={"lm_head": "conv"}).resolve(_empty_llama())
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(plans.UnsupportedModelError, match="no plan for model_type 'bert'. Supported: llama"):
+    with pytest.raises(
+        plans.UnsupportedModelError, match=r"no plan for model_type 'bert'. Supported: gpt2, llama, mixtral.*plan='auto'"
+    ):
         plans.get("bert")

@@ -1,4 +1,6 @@
-"""A rotated Llama trains exactly like vanilla transformers under DDP, and saves what vanilla saves.
+"""Rotated models train exactly like vanilla transformers under DDP, and save what vanilla saves.
+
+Llama, GPT-2 and Mixtral through their registered plans; Qwen2 through plan="auto".
 
 Each rank runs the rotated model on its own batch; in the same process the vanilla model runs on the
 whole global batch (the mean of per-rank losses is DDP's objective). World size 3 with a prime
@@ -15,18 +17,34 @@ import os
 
 import pytest
 import torch
-from support.models import global_batch, make_tiny_llama
+from support.models import global_batch, make_fused_mixtral, make_tiny, rewrite_names, stored_names
 from support.spawn import run_on_ranks
 
-VARIANTS = [
-    pytest.param(tied, shard, id=f"{'tied' if tied else 'untied'}-{'split' if shard else 'single'}")
-    for tied in (False, True)
-    for shard in (None, "12KB")
+SPLIT = "12KB"  # small enough to cut every tiny checkpoint into several files
+CASES = [
+    *[
+        pytest.param("llama", tied, shard, None, world, id=f"llama-{'tied' if tied else 'untied'}-{'split' if shard else 'single'}-{world}")
+        for tied in (False, True)
+        for shard in (None, SPLIT)
+        for world in (1, 2, 3)
+    ],
+    *[
+        pytest.param(arch, False, shard, None, world, id=f"{arch}-{'split' if shard else 'single'}-{world}")
+        for arch in ("gpt2", "mixtral")
+        for shard in (None, SPLIT)
+        for world in (1, 2, 3)
+    ],
+    pytest.param("gpt2", False, None, "original-names", 3, id="gpt2-original-hub-names-3"),
+    pytest.param("mixtral", False, None, "fused", 3, id="mixtral-fused-experts-3"),
+    *[pytest.param("qwen2", False, None, "auto", world, id=f"qwen2-auto-{world}") for world in (1, 2, 3)],
+    pytest.param("qwen2", True, SPLIT, "auto", 2, id="qwen2-auto-tied-split-2"),
 ]
 ATOL, RTOL = 1e-8, 1e-6
 LR = 1e-2
-# Adam's first step is about lr * sign(grad); where a grad is near eps, float32 noise in it moves
-# the step. A real fault (wrong chunk, wrong state) is off by a whole step, so 0.1% of one is strict.
+# Adam's first step is lr * g / (|g| + eps): a grad error d moves it by up to lr * d / eps. With
+# eps = 1e-6 the float32-sized noise the grad check admits (d ~ 1e-11) moves a step by ~1e-7, far
+# inside 0.1% of a step; a real fault (wrong chunk, wrong state) is off by a whole step.
+ADAM_EPS = 1e-6
 STEP_ATOL = LR * 1e-3
 DTYPE = torch.float64
 
@@ -51,11 +69,15 @@ def _assert_matches(model, ref, world, rank, what, atol=ATOL):
         torch.testing.assert_close(mine.detach(), theirs.detach(), atol=atol, rtol=RTOL, msg=lambda m: f"{what} of {name}: {m}")
 
 
-def _next_token_loss(logits, ids):
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+def _float64_loss(out, ids, config):
+    """Next-token loss in float64 (plus the MoE auxiliary loss, as transformers adds it)."""
+    loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    if getattr(out, "aux_loss", None) is not None:
+        loss = loss + config.router_aux_loss_coef * out.aux_loss
+    return loss
 
 
-def _train_step_and_save(ckpt, out_dir, max_shard_size):
+def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save):
     import hf_rtp
     import torch.distributed as dist
     from safetensors import safe_open
@@ -63,8 +85,11 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size):
     from transformers import AutoModelForCausalLM
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE)
-    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPE)
+    # transformers' default grouped_mm experts have no float64 kernel; eager is the same math
+    with open(os.path.join(ckpt, "config.json")) as f:
+        extra = {"experts_implementation": "eager"} if json.load(f)["model_type"] == "mixtral" else {}
+    model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE, plan=plan, **extra)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPE, **extra)
     assert type(model) is type(ref)
     assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
     assert list(model.state_dict()) == list(ref.state_dict())
@@ -78,11 +103,13 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size):
     ref_outs = [ref(input_ids=b, labels=b) for b in batches]
     torch.testing.assert_close(out.logits, ref_outs[rank].logits, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out.loss, ref_outs[rank].loss, atol=1e-6, rtol=1e-6)  # transformers' loss is float32
+    if getattr(out, "aux_loss", None) is not None:  # MoE load balancing, from the replicated router
+        torch.testing.assert_close(out.aux_loss, ref_outs[rank].aux_loss, atol=ATOL, rtol=RTOL)
     # Backward through a float64 loss: vanilla's downcasts logits to float32, whose rounding would
     # then differ between one rank's mean and the reference's mean over ranks.
-    _next_token_loss(out.logits, batches[rank]).backward()
+    _float64_loss(out, batches[rank], ref.config).backward()
     hf_rtp.sync_grads(model)
-    torch.stack([_next_token_loss(o.logits, b) for o, b in zip(ref_outs, batches)]).mean().backward()
+    torch.stack([_float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()
     _assert_matches(model, ref, world, rank, "grad")
 
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
@@ -92,12 +119,14 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size):
     _assert_matches(model, ref, world, rank, "grad")  # clipped alike
 
     for m in (model, ref):
-        torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1).step()
+        torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1).step()
     _assert_matches(model, ref, world, rank, "param", atol=STEP_ATOL)
 
     model.save_pretrained(out_dir, max_shard_size=max_shard_size or "50GB")
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.state_dict().items()}
     if rank == 0:
+        assert stored_names(out_dir) == stored_names(ckpt)  # the names the checkpoint came with
+    if rank == 0 and like_vanilla_save:
         vanilla_dir = out_dir + "-vanilla"
         ref.save_pretrained(vanilla_dir, max_shard_size=max_shard_size or "50GB")
         assert sorted(os.listdir(out_dir)) == sorted(os.listdir(vanilla_dir))
@@ -111,18 +140,28 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size):
             if os.path.exists(os.path.join(vanilla_dir, filename)):
                 with open(os.path.join(out_dir, filename)) as a, open(os.path.join(vanilla_dir, filename)) as b:
                     assert json.load(a) == json.load(b), filename
-        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=DTYPE)
+    if rank == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=DTYPE, **extra)
         for name, tensor in reloaded.state_dict().items():
             assert torch.equal(tensor, full[name]), name
     dist.barrier() if dist.is_initialized() else None
     return out.loss.item()
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("tied,max_shard_size", VARIANTS)
-def test_rotated_llama_matches_vanilla(tmp_path, world_size, tied, max_shard_size):
-    ckpt = make_tiny_llama(tmp_path / "ckpt", tied=tied, max_shard_size=max_shard_size or "50GB")
+@pytest.mark.parametrize("arch,tied,max_shard_size,special,world_size", CASES)
+def test_rotated_model_matches_vanilla(tmp_path, arch, tied, max_shard_size, special, world_size):
+    if special == "fused":
+        ckpt = make_fused_mixtral(tmp_path / "ckpt")
+    else:
+        ckpt = make_tiny(arch, tmp_path / "ckpt", tied=tied, max_shard_size=max_shard_size or "50GB")
+    if special == "original-names":  # as openai-community/gpt2 stores it: no "transformer." prefix
+        rewrite_names(ckpt, lambda name: name.removeprefix("transformer."))
     if max_shard_size:
         assert os.path.exists(os.path.join(ckpt, "model.safetensors.index.json"))
-    losses = run_on_ranks(_train_step_and_save, world_size, ckpt, str(tmp_path / "out"), max_shard_size)
+    plan = "auto" if special == "auto" else None
+    # Vanilla groups a split Mixtral's per-expert tensors into files by shared storage; ours split in
+    # sorted name order. Both hold the same names and load alike: file-by-file equality is not asked.
+    like_vanilla_save = special in (None, "auto") and not (arch == "mixtral" and max_shard_size)
+    args = (ckpt, str(tmp_path / "out"), max_shard_size, plan, like_vanilla_save)
+    losses = run_on_ranks(_train_step_and_save, world_size, *args)
     assert len(set(losses)) == world_size  # each rank really trained on its own batch
