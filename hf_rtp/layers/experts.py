@@ -30,9 +30,13 @@ class _Routes:
             start += count
         self.rows = start
 
-    def of(self, expert: int):
-        start, end = self.bounds[expert]
-        return start, end, self.token[start:end], self.slot[start:end]
+    def held(self, layout: ChunkLayout, j: int):
+        """For each expert of chunk j that has tokens: its index in the chunk, its rows, tokens, slots."""
+        first, last = layout.bounds(j)
+        for e in range(first, last):
+            start, end = self.bounds[e]
+            if start != end:
+                yield e - first, start, end, self.token[start:end], self.slot[start:end]
 
 
 class _RotatedExpertsFn(torch.autograd.Function):
@@ -47,15 +51,11 @@ class _RotatedExpertsFn(torch.autograd.Function):
 
         def compute(j, chunk):
             gate_up_j, down_j = chunk
-            first = layout.bounds(j)[0]
-            for e in range(*layout.bounds(j)):
-                start, end, token, slot = routes.of(e)
-                if start == end:
-                    continue
-                gu = torch.mm(hidden[token], gate_up_j[e - first].t(), out=gu_all[start:end])
+            for e, start, end, token, slot in routes.held(layout, j):
+                gu = torch.mm(hidden[token], gate_up_j[e].t(), out=gu_all[start:end])
                 gate, up = gu.chunk(2, dim=-1)
                 h = torch.mul(act_fn(gate), up, out=h_all[start:end])
-                y = torch.mm(h, down_j[e - first].t(), out=y_all[start:end])
+                y = torch.mm(h, down_j[e].t(), out=y_all[start:end])
                 out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
 
         ring.forward_walk([gate_up, down], layout, compute)
@@ -75,16 +75,12 @@ class _RotatedExpertsFn(torch.autograd.Function):
         def expert_grads(j, chunk, acc):
             """Per held expert: routing-weight grads, d(gate_up) rows, and (with acc) weight grads."""
             _, down_j = chunk
-            first = layout.bounds(j)[0]
-            for e in range(*layout.bounds(j)):
-                start, end, token, slot = routes.of(e)
-                if start == end:
-                    continue
+            for e, start, end, token, slot in routes.held(layout, j):
                 g = grad_out[token]
                 if grad_weights is not None:
                     grad_weights[token, slot] = (g * y_all[start:end]).sum(-1).to(grad_weights.dtype)
                 gy = g * top_k_weights[token, slot, None].to(g.dtype)
-                dh = gy @ down_j[e - first]
+                dh = gy @ down_j[e]
                 gate, up = gu_all[start:end].chunk(2, dim=-1)
                 with torch.enable_grad():
                     gate = gate.detach().requires_grad_()
@@ -94,8 +90,8 @@ class _RotatedExpertsFn(torch.autograd.Function):
                 dgu[:, : up.shape[-1]] = dgate
                 dgu[:, up.shape[-1] :] = dh * activated.detach()
                 if acc is not None:
-                    acc[0][e - first].addmm_(dgu.t(), hidden[token])
-                    acc[1][e - first].addmm_(gy.t(), h_all[start:end])
+                    acc[0][e].addmm_(dgu.t(), hidden[token])
+                    acc[1][e].addmm_(gy.t(), h_all[start:end])
 
         def input_grad(j, chunk):
             if not wants_weight_grads:  # expert_grads did not run in accumulate
@@ -103,11 +99,8 @@ class _RotatedExpertsFn(torch.autograd.Function):
             if grad_hidden is None:
                 return
             gate_up_j, _ = chunk
-            first = layout.bounds(j)[0]
-            for e in range(*layout.bounds(j)):
-                start, end, token, _ = routes.of(e)
-                if start != end:
-                    grad_hidden.index_add_(0, token, dgu_all[start:end] @ gate_up_j[e - first])
+            for e, start, end, token, _ in routes.held(layout, j):
+                grad_hidden.index_add_(0, token, dgu_all[start:end] @ gate_up_j[e])
 
         landed = ctx.ring.backward_walk(
             [gate_up, down],
