@@ -4,7 +4,7 @@ from .api import from_pretrained
 from .checkpoint import CheckpointError
 from .mesh import TopologyError
 from .plans import PlanError, UnsupportedModelError
-from .training import sync_grads
+from .training import ignore_rotated_in_ddp, sync_grads
 
 __version__ = "0.1.0"
 
@@ -14,5 +14,6 @@ __all__ = [
     "TopologyError",
     "UnsupportedModelError",
     "from_pretrained",
+    "ignore_rotated_in_ddp",
     "sync_grads",
 ]

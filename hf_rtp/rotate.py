@@ -10,6 +10,7 @@ from .layers import LAYERS
 from .checkpoint.keys import tie_targets
 from .mesh import Topology
 from .plans import Resolution
+from .training import ignore_rotated_in_ddp
 
 
 def _rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
@@ -48,7 +49,4 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
         for key, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[key] = buffer.to(topology.device)
-    # DDP (and so accelerate and Trainer) must leave rotated parameters alone: the ring reduces them.
-    model._ddp_params_and_buffers_to_ignore = [
-        name for name, p in model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
-    ]
+    ignore_rotated_in_ddp(model)

@@ -19,6 +19,17 @@ def allow_mixed_parameters() -> None:
     DTensor._op_dispatcher._allow_implicit_replication = True
 
 
+def ignore_rotated_in_ddp(module: nn.Module) -> None:
+    """Tell DDP (so accelerate and Trainer too) to leave rotated parameters alone: the ring reduces them.
+
+    from_pretrained does this for the model it returns; call it again on a wrapper that DDP will
+    wrap instead, such as a PEFT model, because DDP reads the list from the module it is given.
+    """
+    module._ddp_params_and_buffers_to_ignore = [
+        name for name, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
+    ]
+
+
 def sync_grads(model: nn.Module) -> None:
     """Average replicated parameters' gradients over all ranks, as DDP would, in one all-reduce per dtype.
 

@@ -1,0 +1,222 @@
+"""Causal-LM fine-tuning with hf_rtp: every rank trains on its own data and holds 1/N of the model.
+
+    accelerate launch --config_file recipes/configs/cpu.yaml recipes/finetune.py   # 2 CPU processes
+    torchrun --nproc_per_node 2 recipes/finetune.py
+    python recipes/finetune.py                                                     # 1 process
+
+With no flags it trains the embedded default (recipes/defaults.py: a small Llama, its tokenizer and
+a synthetic dataset, made locally). It writes output_dir/metrics.jsonl (one line per optimizer
+step), output_dir/checkpoint-{step} every --save_every steps (resume with --resume_from), and at
+the end a standard checkpoint in output_dir/final that vanilla transformers loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipes' own helpers
+
+import hf_rtp  # noqa: E402
+from defaults import make_default  # noqa: E402
+from hf_rtp.checkpoint.resume import load_training_state, save_training_state  # noqa: E402
+from packing import GlobalOrder, load_texts, pack, split_eval  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint folder or Hub id (default: the embedded tiny Llama)")
+    p.add_argument("--dataset", help="json/jsonl/text/parquet file or Hub dataset (default: embedded)")
+    p.add_argument("--eval_dataset", help="file for eval loss (default: 5%% of --dataset, or the embedded eval set)")
+    p.add_argument("--text_column", default="text")
+    p.add_argument("--output_dir", default="outputs/finetune")
+    p.add_argument("--max_steps", type=int, default=60)
+    p.add_argument("--per_device_batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup_steps", type=int, default=5)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--eval_every", type=int, default=20)
+    p.add_argument("--save_every", type=int, default=0, help="write output_dir/checkpoint-{step} every N steps")
+    p.add_argument("--resume_from", help="a checkpoint-{step} folder written by this recipe")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on the frozen rotated base")
+    p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--no_bf16", action="store_true", help="on GPU, train without bf16 autocast")
+    p.add_argument("--push_to_hub", metavar="REPO", help="upload output_dir/final to this Hub repo at the end")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
+
+    # Without CUDA accelerate must be told to use the CPU, or a multi-process launch runs undistributed.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world = accelerator.process_index, accelerator.num_processes
+    set_seed(args.seed)
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    with accelerator.main_process_first():  # rank 0 makes the default files, the others then read them
+        if args.model is None or args.dataset is None:
+            default_model, default_train, default_eval = make_default(os.path.join(args.output_dir, "default"), args.seed)
+        model_path = args.model or default_model
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        blocks = pack(load_texts(args.dataset or default_train, args.text_column), tokenizer, args.seq_len)
+        eval_source = args.eval_dataset or (None if args.dataset else default_eval)
+        if eval_source:
+            eval_blocks = pack(load_texts(eval_source, args.text_column), tokenizer, args.seq_len)
+        else:
+            blocks, eval_blocks = split_eval(blocks, 0.05, args.seed)
+
+    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=accelerator.device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = model
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear")
+        trained = get_peft_model(model, lora)
+        hf_rtp.ignore_rotated_in_ddp(trained)
+    model.train()
+    params = [p for p in trained.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    step, samples_seen = 0, 0
+    if args.resume_from:
+        state = load_training_state(args.resume_from, trained, optimizer, scheduler)
+        step, samples_seen = state["step"], state["samples_seen"]
+        log0(accelerator, f"resumed from {args.resume_from} at step {step} ({state['world_size']} -> {world} ranks)")
+    ddp = accelerator.prepare(trained)  # DDP averages replicated grads; rotated ones reduce in the ring
+
+    order = GlobalOrder(len(blocks), args.seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available() and not args.no_bf16)
+    metrics = open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    bar = tqdm(total=args.max_steps, initial=step, desc="training", disable=rank != 0)
+    while step < args.max_steps:
+        started, loss_sum = time.perf_counter(), torch.zeros((), device=accelerator.device)
+        for micro in range(args.grad_accum):
+            ids = blocks[order.micro_batch(samples_seen, rank, world, args.per_device_batch_size)].to(accelerator.device)
+            samples_seen += world * args.per_device_batch_size
+            with autocast, (ddp.no_sync() if micro < args.grad_accum - 1 and world > 1 else nullcontext()):
+                loss = ddp(input_ids=ids, labels=ids).loss
+                (loss / args.grad_accum).backward()
+            loss_sum += loss.detach() / args.grad_accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)  # global norm, rotated included
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        record = {
+            "step": step,
+            "loss": mean_over_ranks(loss_sum),
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "tokens_per_s": world * args.grad_accum * args.per_device_batch_size * args.seq_len
+            / (time.perf_counter() - started),
+            "peak_mem_gb": max_over_ranks(peak_memory_gb(accelerator.device)),
+        }
+        if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
+            record["eval_loss"] = evaluate(ddp, eval_blocks, rank, world, args, accelerator.device, autocast)
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if args.save_every and step % args.save_every == 0:
+            save_training_state(
+                os.path.join(args.output_dir, f"checkpoint-{step}"),
+                trained,
+                optimizer,
+                scheduler,
+                extra={"step": step, "samples_seen": samples_seen},
+            )
+    bar.close()
+    finish(args, accelerator, model, trained, tokenizer)
+
+
+def finish(args, accelerator, model, trained, tokenizer):
+    final = os.path.join(args.output_dir, "final")
+    if args.lora:
+        if accelerator.is_main_process:  # adapters are replicated: rank 0 has all of them
+            trained.save_pretrained(final)
+    else:
+        model.save_pretrained(final)  # collective: rank 0 writes the gathered checkpoint
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(final)
+        log0(accelerator, f"saved {'LoRA adapters' if args.lora else 'the model'} to {final}")
+    if args.push_to_hub and accelerator.is_main_process:
+        from hf_rtp.checkpoint.save import upload_folder
+
+        log0(accelerator, f"pushing to {args.push_to_hub}: {', '.join(sorted(os.listdir(final)))}")
+        upload_folder(final, args.push_to_hub, commit_message="hf_rtp finetune")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+@torch.no_grad()
+def evaluate(ddp, eval_blocks, rank, world, args, device, autocast) -> float:
+    """Mean loss over the whole eval set, each rank scoring its share."""
+    ddp.eval()
+    mine = eval_blocks[rank::world]
+    total = torch.zeros(2, device=device)  # loss * blocks, blocks
+    # every rank runs the same number of batches (rotated ops are collective), padding with a repeat
+    batches = math.ceil(math.ceil(len(eval_blocks) / world) / args.per_device_batch_size)
+    for b in range(batches):
+        ids = mine[b * args.per_device_batch_size : (b + 1) * args.per_device_batch_size]
+        real = len(ids)
+        if real == 0:
+            ids = eval_blocks[: 1]
+        with autocast:
+            loss = ddp(input_ids=ids.to(device), labels=ids.to(device)).loss
+        total += torch.stack([loss.float() * real, torch.tensor(float(real), device=device)])
+    if world > 1:
+        dist.all_reduce(total)
+    ddp.train()
+    return (total[0] / total[1]).item()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor(value, dtype=torch.float64)
+    if dist.is_initialized():
+        t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def log0(accelerator, message: str) -> None:
+    if accelerator.is_main_process:
+        print(message, flush=True)
+
+
+if __name__ == "__main__":
+    main()
