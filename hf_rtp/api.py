@@ -17,6 +17,7 @@ from .checkpoint.keys import tie_targets, wants_for
 from .checkpoint.load import read_local
 from .checkpoint.save import push, save_pretrained
 from .mesh import raise_if_any_failed, setup
+from .integrations.peft import make_peft_use_global_features
 from .plans.auto import auto_plan
 from .rotate import install
 from .training import allow_mixed_parameters
@@ -90,6 +91,7 @@ def from_pretrained(
     model.push_to_hub = types.MethodType(push, model)
     if topology.world_size > 1:
         allow_mixed_parameters()
+        make_peft_use_global_features()
     log.info(
         f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s): "
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
