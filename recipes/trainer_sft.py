@@ -1,0 +1,109 @@
+"""The fine-tuning job through transformers.Trainer, on an hf_rtp model.
+
+    accelerate launch --config_file recipes/configs/cpu.yaml recipes/trainer_sft.py
+    torchrun --nproc_per_node 2 recipes/trainer_sft.py
+
+Trainer wraps the model in DDP (which leaves rotated parameters to the ring) and clips gradients
+with torch's clip_grad_norm_ (which returns the global norm over rotated and replicated ones).
+What changes is saving: hf_rtp's save_pretrained is collective, so `RTPTrainer.save_model` runs it
+on every rank where Trainer would run it on the main process only. Trainer's own mid-run
+checkpoints are turned off; use recipes/finetune.py for resumable training state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer, Trainer, TrainingArguments
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_rtp  # noqa: E402
+from defaults import make_default  # noqa: E402
+from packing import load_texts, pack  # noqa: E402
+
+
+class RTPTrainer(Trainer):
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        output_dir = output_dir or self.args.output_dir
+        self.accelerator.unwrap_model(self.model).save_pretrained(output_dir)  # collective
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model")
+    p.add_argument("--dataset")
+    p.add_argument("--output_dir", default="outputs/trainer_sft")
+    p.add_argument("--max_steps", type=int, default=30)
+    p.add_argument("--per_device_batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.per_device_batch_size,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=3,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),
+        seed=args.seed,
+        ddp_find_unused_parameters=False,
+        disable_tqdm=False,
+    )
+    with training_args.main_process_first():
+        if args.model is None or args.dataset is None:
+            default_model, default_train, _ = make_default(os.path.join(args.output_dir, "default"), args.seed)
+        model_path = args.model or default_model
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        blocks = pack(load_texts(args.dataset or default_train), tokenizer, args.seq_len)
+
+    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=training_args.device)
+    trainer = RTPTrainer(model=model, args=training_args, train_dataset=Blocks(blocks), processing_class=tokenizer)
+    trainer.train()
+    final = os.path.join(args.output_dir, "final")
+    trainer.save_model(final)
+
+    # A check worth keeping in the job: DDP must have kept replicated parameters identical.
+    replicated = [p for p in model.parameters() if not hasattr(p, "to_local")]
+    checksum = torch.stack([p.detach().double().sum() for p in replicated]).sum().reshape(1)
+    if dist.is_initialized():
+        everyone = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, checksum)
+        identical = all(torch.equal(everyone[0], c) for c in everyone)
+    else:
+        identical = True
+    if trainer.is_world_process_zero():
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump({"log": logs, "replicated_identical": identical, "final": final}, f, indent=1)
+        print(f"done: loss {logs[0]['loss']:.3f} -> {logs[-1]['loss']:.3f}; saved {final}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The recipes, launched for real: accelerate launch and torchrun on 2 and 3 CPU processes, and one process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from transformers import AutoModelForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
+TRAINER = os.path.join(ROOT, "recipes", "trainer_sft.py")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_RTP_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "recipes", "configs", "cpu.yaml")]
+
+
+def torchrun(n):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+
+
+def run(cmd, ok=True):
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    if ok:
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The README's job (shortened): accelerate launch, 2 processes, embedded default, checkpoint every 4 steps."""
+    out = str(tmp_path_factory.mktemp("default"))
+    run([*ACCELERATE, FINETUNE, "--output_dir", out, "--max_steps", "8", "--save_every", "4", "--eval_every", "4"])
+    return out
+
+
+def _same_data(out):
+    default = os.path.join(out, "default")
+    return ["--model", f"{default}/model", "--dataset", f"{default}/data/train.jsonl",
+            "--eval_dataset", f"{default}/data/eval.jsonl"]
+
+
+def test_default_run_learns_logs_and_saves_a_vanilla_checkpoint(default_run):
+    rows = metrics(default_run)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert {"step", "loss", "lr", "tokens_per_s", "peak_mem_gb", "grad_norm"} <= set(rows[0])
+    assert "eval_loss" in rows[3] and "eval_loss" in rows[7]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5 and rows[-1]["eval_loss"] < rows[3]["eval_loss"]
+    lrs = [r["lr"] for r in rows]
+    assert lrs[4] == max(lrs) and all(a > b for a, b in zip(lrs[4:], lrs[5:]))  # warmup, then cosine decay
+    assert sorted(d for d in os.listdir(default_run) if d.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-8"]
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(default_run, "final"))
+    assert model.config.vocab_size > 256 and os.path.exists(os.path.join(default_run, "final", "tokenizer.json"))
+
+
+def test_resume_reproduces_the_uninterrupted_run(default_run, tmp_path):
+    run([*torchrun(2), FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "8", "--eval_every", "0",
+         "--resume_from", os.path.join(default_run, "checkpoint-4"), *_same_data(default_run)])
+    resumed = metrics(tmp_path)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    expected = [r["loss"] for r in metrics(default_run)[4:]]
+    assert [r["loss"] for r in resumed] == pytest.approx(expected, abs=1e-6)
+
+
+def test_resume_on_three_processes_from_a_two_process_checkpoint(default_run, tmp_path):
+    done = run([*torchrun(3), FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "8", "--eval_every", "0",
+                "--resume_from", os.path.join(default_run, "checkpoint-4"), *_same_data(default_run)])
+    assert "(2 -> 3 ranks)" in done.stdout
+    resumed = metrics(tmp_path)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    # a different global batch, so not the same losses, but the same model state: close to the original
+    assert resumed[0]["loss"] == pytest.approx(metrics(default_run)[4]["loss"], abs=0.1)
+
+
+def test_lora_with_gradient_checkpointing(default_run, tmp_path):
+    from peft import PeftModel
+
+    run([*ACCELERATE, FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "4", "--eval_every", "0",
+         "--lora", "--gradient_checkpointing", *_same_data(default_run)])
+    assert metrics(tmp_path)[-1]["loss"] < metrics(tmp_path)[0]["loss"]
+    final = os.path.join(tmp_path, "final")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(final))
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(default_run, "default", "model"))
+    PeftModel.from_pretrained(base, final)  # loads onto the vanilla base (outputs: test_lora_and_checkpointing)
+
+
+def test_trainer_recipe(default_run, tmp_path):
+    run([*ACCELERATE, TRAINER, "--output_dir", str(tmp_path), "--max_steps", "8",
+         "--model", os.path.join(default_run, "default", "model"),
+         "--dataset", os.path.join(default_run, "default", "data", "train.jsonl")])
+    with open(os.path.join(tmp_path, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["replicated_identical"]  # DDP averaged what the ring does not
+    losses = [e["loss"] for e in summary["log"]]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5
+    assert all(0 < e["grad_norm"] < 100 for e in summary["log"])
+    AutoModelForCausalLM.from_pretrained(summary["final"])
+
+
+def test_single_process_and_offline_push(default_run, tmp_path):
+    done = run([sys.executable, FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "3", "--eval_every", "0",
+                "--push_to_hub", "someone/tiny", *_same_data(default_run)], ok=False)
+    assert done.returncode != 0 and "could not push" in done.stderr and "checkpoint itself is complete" in done.stderr
+    final = os.path.join(tmp_path, "final")
+    sent = done.stdout.split("pushing to someone/tiny: ")[1].splitlines()[0].split(", ")
+    assert sent == sorted(os.listdir(final))  # exactly the folder's files
+    AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [*torchrun(2), FINETUNE, "--output_dir", out, "--max_steps", "500", "--save_every", "2",
+           "--eval_every", "0", *_same_data(default_run)]
+    job = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(out, "checkpoint-2", "training_state.json")):
+            assert time.monotonic() < deadline and job.poll() is None, "the run never reached checkpoint-2"
+            time.sleep(0.2)
+        rank1 = [p for p in psutil.Process(job.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert rank1, "rank 1 not found"
+        rank1[0].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.communicate(timeout=90)  # the survivor must stop, not hang
+        assert job.returncode != 0 and time.monotonic() - killed_at < 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+    steps_done = metrics(out)[-1]["step"]
+    run([*torchrun(2), FINETUNE, "--output_dir", out, "--max_steps", str(steps_done + 2), "--eval_every", "0",
+         "--resume_from", os.path.join(out, "checkpoint-2"), *_same_data(default_run)])
+    steps = [r["step"] for r in metrics(out)]
+    assert steps[-steps_done:] == list(range(3, steps_done + 3))  # continued after checkpoint-2
