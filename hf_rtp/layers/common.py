@@ -13,6 +13,28 @@ def local(param: torch.Tensor | None) -> torch.Tensor | None:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a matmul on `x` in, or None when autocast is off."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def cast_for_matmul(x: torch.Tensor) -> torch.Tensor:
+    """What autocast does to a matmul input; rotated Functions then run with autocast off and cast
+    the weights they hold to the input's dtype, so outputs match vanilla under autocast too."""
+    dtype = autocast_dtype(x)
+    return x if dtype is None or not x.is_floating_point() else x.to(dtype)
+
+
+def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, in place when the dtypes agree; under autocast the product is bf16 and the
+    accumulator keeps the parameter's dtype, as vanilla's gradient cast-back does."""
+    if acc.dtype == a.dtype == b.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
 def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:
     return [weight] if bias is None else [weight, bias]
 

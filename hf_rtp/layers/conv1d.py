@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..ring import Ring
 from ..sharding import ChunkLayout
-from .common import finish_weight_grads, local
+from .common import add_matmul, cast_for_matmul, finish_weight_grads, local
 
 
 class _RotatedConv1DFn(torch.autograd.Function):
@@ -23,9 +23,10 @@ class _RotatedConv1DFn(torch.autograd.Function):
 
         def compute(j, chunk):
             start, end = layout.bounds(j)
-            out.addmm_(x2[:, start:end], chunk[0])
+            out.addmm_(x2[:, start:end], chunk[0].to(out.dtype))
 
-        ring.forward_walk([weight], layout, compute)
+        with torch.autocast(x.device.type, enabled=False):
+            ring.forward_walk([weight], layout, compute)
         ctx.save_for_backward(x, weight)
         ctx.ring, ctx.layout = ring, layout
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -40,11 +41,11 @@ class _RotatedConv1DFn(torch.autograd.Function):
 
         def accumulate(j, _chunk, acc):
             start, end = layout.bounds(j)
-            acc[0].addmm_(x2[:, start:end].t(), g2)
+            add_matmul(acc[0], x2[:, start:end].t(), g2)
 
         def input_grad(j, chunk):
             start, end = layout.bounds(j)
-            grad_x[:, start:end] = g2 @ chunk[0].t()  # each chunk owns its input columns
+            grad_x[:, start:end] = g2 @ chunk[0].to(g2.dtype).t()  # each chunk owns its input columns
 
         landed = ctx.ring.backward_walk(
             [weight],
@@ -67,4 +68,5 @@ class RotatedConv1D(Conv1D):
         self.layout = ChunkLayout((weight.shape,), ring.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RotatedConv1DFn.apply(x, local(self.weight), self.ring, self.layout) + self.bias
+        out = _RotatedConv1DFn.apply(cast_for_matmul(x), local(self.weight), self.ring, self.layout)
+        return out + self.bias.to(out.dtype)  # vanilla's addmm casts the bias along under autocast

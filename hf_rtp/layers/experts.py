@@ -12,7 +12,7 @@ from torch import nn
 
 from ..ring import Ring
 from ..sharding import ChunkLayout
-from .common import finish_weight_grads, local
+from .common import add_matmul, autocast_dtype, finish_weight_grads, local
 
 
 class _Routes:
@@ -41,24 +41,26 @@ class _Routes:
 
 class _RotatedExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up, down, ring: Ring, layout: ChunkLayout, act_fn):
+    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up, down, ring: Ring, layout: ChunkLayout, act_fn, dtype):
+        # `dtype`: the matmuls' (autocast's, if on); the output keeps the residual stream's, as in vanilla
         routes = _Routes(top_k_index, layout.rows)
         inter = down.shape[-1]
-        gu_all = hidden.new_empty(routes.rows, 2 * inter)
-        h_all = hidden.new_empty(routes.rows, inter)
-        y_all = hidden.new_empty(routes.rows, hidden.shape[-1])
+        gu_all = hidden.new_empty(routes.rows, 2 * inter, dtype=dtype)
+        h_all = hidden.new_empty(routes.rows, inter, dtype=dtype)
+        y_all = hidden.new_empty(routes.rows, hidden.shape[-1], dtype=dtype)
         out = torch.zeros_like(hidden)
 
         def compute(j, chunk):
             gate_up_j, down_j = chunk
             for e, start, end, token, slot in routes.held(layout, j):
-                gu = torch.mm(hidden[token], gate_up_j[e].t(), out=gu_all[start:end])
+                gu = torch.mm(hidden[token].to(dtype), gate_up_j[e].to(dtype).t(), out=gu_all[start:end])
                 gate, up = gu.chunk(2, dim=-1)
                 h = torch.mul(act_fn(gate), up, out=h_all[start:end])
-                y = torch.mm(h, down_j[e].t(), out=y_all[start:end])
+                y = torch.mm(h, down_j[e].to(dtype).t(), out=y_all[start:end])
                 out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
 
-        ring.forward_walk([gate_up, down], layout, compute)
+        with torch.autocast(hidden.device.type, enabled=False):
+            ring.forward_walk([gate_up, down], layout, compute)
         ctx.save_for_backward(hidden, top_k_weights, gate_up, down, gu_all, h_all, y_all)
         ctx.routes, ctx.ring, ctx.layout, ctx.act_fn = routes, ring, layout, act_fn
         return out
@@ -79,8 +81,8 @@ class _RotatedExpertsFn(torch.autograd.Function):
                 g = grad_out[token]
                 if grad_weights is not None:
                     grad_weights[token, slot] = (g * y_all[start:end]).sum(-1).to(grad_weights.dtype)
-                gy = g * top_k_weights[token, slot, None].to(g.dtype)
-                dh = gy @ down_j[e]
+                gy = (g * top_k_weights[token, slot, None]).to(gu_all.dtype)
+                dh = gy @ down_j[e].to(gy.dtype)
                 gate, up = gu_all[start:end].chunk(2, dim=-1)
                 with torch.enable_grad():
                     gate = gate.detach().requires_grad_()
@@ -90,8 +92,8 @@ class _RotatedExpertsFn(torch.autograd.Function):
                 dgu[:, : up.shape[-1]] = dgate
                 dgu[:, up.shape[-1] :] = dh * activated.detach()
                 if acc is not None:
-                    acc[0][e].addmm_(dgu.t(), hidden[token])
-                    acc[1][e].addmm_(gy.t(), h_all[start:end])
+                    add_matmul(acc[0][e], dgu.t(), hidden[token].to(dgu.dtype))
+                    add_matmul(acc[1][e], gy.t(), h_all[start:end])
 
         def input_grad(j, chunk):
             if not wants_weight_grads:  # expert_grads did not run in accumulate
@@ -100,7 +102,8 @@ class _RotatedExpertsFn(torch.autograd.Function):
                 return
             gate_up_j, _ = chunk
             for e, start, end, token, _ in routes.held(layout, j):
-                grad_hidden.index_add_(0, token, dgu_all[start:end] @ gate_up_j[e])
+                grad = dgu_all[start:end] @ gate_up_j[e].to(dgu_all.dtype)
+                grad_hidden.index_add_(0, token, grad.to(grad_hidden.dtype))
 
         landed = ctx.ring.backward_walk(
             [gate_up, down],
@@ -109,7 +112,7 @@ class _RotatedExpertsFn(torch.autograd.Function):
             input_grad,  # always: both the weight and the input grads need the held weights
         )
         grad_gate_up, grad_down = finish_weight_grads(ctx, landed, ctx.ring.size, positions=(3, 4))
-        return grad_hidden, None, grad_weights, grad_gate_up, grad_down, None, None, None
+        return grad_hidden, None, grad_weights, grad_gate_up, grad_down, None, None, None, None
 
 
 class RotatedExperts(nn.Module):
@@ -134,6 +137,7 @@ class RotatedExperts(nn.Module):
             self.ring,
             self.layout,
             self.act_fn,
+            autocast_dtype(hidden_states) or hidden_states.dtype,
         )
 
 

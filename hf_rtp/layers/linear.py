@@ -11,7 +11,7 @@ from torch import nn
 
 from ..ring import Ring
 from ..sharding import ChunkLayout
-from .common import finish_weight_grads, local, own_bundle
+from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle
 
 
 class _RotatedLinearFn(torch.autograd.Function):
@@ -21,9 +21,10 @@ class _RotatedLinearFn(torch.autograd.Function):
 
         def compute(j, chunk):
             start, end = layout.bounds(j)
-            out[..., start:end] = F.linear(x, *chunk)
+            out[..., start:end] = F.linear(x, *(t.to(x.dtype) for t in chunk))
 
-        ring.forward_walk(own_bundle(weight, bias), layout, compute)
+        with torch.autocast(x.device.type, enabled=False):
+            ring.forward_walk(own_bundle(weight, bias), layout, compute)
         # Only the input is kept for backward; the weights are fetched again by the backward walk.
         ctx.save_for_backward(x, weight, bias)
         ctx.ring, ctx.layout = ring, layout
@@ -41,13 +42,13 @@ class _RotatedLinearFn(torch.autograd.Function):
         def accumulate(j, _chunk, acc):
             start, end = layout.bounds(j)
             g = g2[:, start:end]
-            acc[0].addmm_(g.t(), x2)
+            add_matmul(acc[0], g.t(), x2)
             if bias is not None:
                 acc[1].add_(g.sum(0))
 
         def input_grad(j, chunk):
             start, end = layout.bounds(j)
-            grad_x.addmm_(g2[:, start:end], chunk[0])
+            grad_x.addmm_(g2[:, start:end], chunk[0].to(g2.dtype))
 
         landed = ring.backward_walk(
             own_bundle(weight, bias),
@@ -76,4 +77,4 @@ class RotatedLinear(nn.Linear):
         self.layout = ChunkLayout(tuple(shapes), ring.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RotatedLinearFn.apply(x, local(self.weight), local(self.bias), self.ring, self.layout)
+        return _RotatedLinearFn.apply(cast_for_matmul(x), local(self.weight), local(self.bias), self.ring, self.layout)

@@ -35,3 +35,41 @@ def _bf16_round_trip(ckpt, out):
 
 def test_bfloat16_load_train_save(tmp_path):
     run_on_ranks(_bf16_round_trip, 2, make_tiny_llama(tmp_path / "ckpt"), str(tmp_path / "out"))
+
+
+def _autocast_matches_vanilla(checkpoints):
+    import hf_rtp
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from hf_rtp.sharding import chunk_rows
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    batches = global_batch(world)
+    for ckpt in checkpoints:
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+        ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=batches[rank], labels=batches[rank])
+            ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+        assert out.logits.dtype == torch.bfloat16  # as vanilla's under autocast
+        torch.testing.assert_close(out.loss, ref_losses[rank], atol=2e-3, rtol=1e-3)
+        out.loss.backward()
+        hf_rtp.sync_grads(model)
+        torch.stack(ref_losses).mean().backward()
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            mine, theirs = p.grad, ref_params[name].grad
+            if isinstance(p, DTensor):
+                mine, theirs = mine.to_local(), theirs[slice(*chunk_rows(p.shape[0], world, rank))]
+            assert mine.dtype == torch.float32, name  # grads land in the parameter's dtype
+            if theirs.norm() > 0:
+                cosine = torch.nn.functional.cosine_similarity(mine.flatten(), theirs.flatten(), dim=0)
+                assert cosine > 0.99 and abs(mine.norm() / theirs.norm() - 1) < 0.05, (ckpt, name, cosine)
+
+
+def test_bf16_autocast_matches_vanilla_autocast(tmp_path):
+    from support.models import make_tiny
+
+    checkpoints = [make_tiny(arch, tmp_path / arch) for arch in ("llama", "gpt2", "mixtral")]
+    run_on_ranks(_autocast_matches_vanilla, 2, checkpoints)

@@ -58,3 +58,16 @@ def test_state_saved_on_two_ranks_resumes_on_three(tmp_path):
     assert not os.path.exists(state_dir + ".partial")
     assert all(f.endswith((".safetensors", ".json")) for f in os.listdir(state_dir))  # nothing pickled
     assert run_on_ranks(_load_elsewhere, 3, ckpt, state_dir, reference) == [(1, 4)] * 3
+
+
+def test_interrupted_save_is_refused_with_a_clear_error(tmp_path):
+    import pytest
+
+    import hf_rtp
+    from hf_rtp.checkpoint.resume import load_training_state
+
+    partial = tmp_path / "checkpoint-6.partial"
+    partial.mkdir()
+    model = hf_rtp.from_pretrained(make_tiny("llama", tmp_path / "ckpt"))
+    with pytest.raises(hf_rtp.CheckpointError, match="not a complete training checkpoint.*resume from an earlier"):
+        load_training_state(str(partial), model, torch.optim.AdamW(model.parameters()))

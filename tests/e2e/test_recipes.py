@@ -139,3 +139,27 @@ def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
          "--resume_from", os.path.join(out, "checkpoint-2"), *_same_data(default_run)])
     steps = [r["step"] for r in metrics(out)]
     assert steps[-steps_done:] == list(range(3, steps_done + 3))  # continued after checkpoint-2
+
+
+def test_gradient_accumulation_matches_a_larger_batch(default_run, tmp_path):
+    # two micro-batches of 4 are the same 16 samples per step as the default batch of 8 on 2 ranks
+    run([*torchrun(2), FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "4", "--eval_every", "0",
+         "--per_device_batch_size", "4", "--grad_accum", "2", *_same_data(default_run)])
+    expected = [r["loss"] for r in metrics(default_run)[:4]]
+    assert [r["loss"] for r in metrics(tmp_path)] == pytest.approx(expected, abs=1e-4)
+
+
+def test_text_and_parquet_datasets(default_run, tmp_path):
+    from datasets import load_dataset
+
+    jsonl = os.path.join(default_run, "default", "data", "train.jsonl")
+    texts = load_dataset("json", data_files=jsonl, split="train")
+    texts.to_parquet(str(tmp_path / "train.parquet"))
+    (tmp_path / "train.txt").write_text("\n".join(texts["text"]) + "\n")
+    first_losses = []
+    for source in ("train.txt", "train.parquet"):
+        out = tmp_path / source.replace(".", "-")
+        run([sys.executable, FINETUNE, "--output_dir", str(out), "--max_steps", "1", "--eval_every", "0",
+             "--model", os.path.join(default_run, "default", "model"), "--dataset", str(tmp_path / source)])
+        first_losses.append(metrics(out)[0]["loss"])
+    assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-6)  # same texts, same blocks
