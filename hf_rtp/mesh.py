@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -102,8 +103,22 @@ def _ring_group(mesh: DeviceMesh, timeout: timedelta) -> dist.ProcessGroup:
     backend = dist.get_backend(mesh.get_group())
     key = (ranks, backend, id(dist.group.WORLD))
     if key not in _ring_groups:
+        if not _ring_groups:
+            atexit.register(_destroy_ring_groups)
         _ring_groups[key] = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
     return _ring_groups[key]
+
+
+def _destroy_ring_groups() -> None:
+    """Tear rotation's groups down while the world group still exists: left to interpreter shutdown,
+    a gloo group can abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        for group in _ring_groups.values():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # the user destroyed everything already
+                pass
+    _ring_groups.clear()
 
 
 def raise_if_any_failed(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:

@@ -13,6 +13,7 @@ the end a standard checkpoint in output_dir/final that vanilla transformers load
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -148,6 +149,11 @@ def main(argv=None):
             )
     bar.close()
     finish(args, accelerator, model, trained, tokenizer)
+    # Release the DDP wrapper and the model before the process groups go, then tear those down
+    # ourselves: left to interpreter shutdown, gloo objects can abort the process on exit.
+    del ddp, trained, model, optimizer, scheduler
+    gc.collect()
+    accelerator.end_training()
 
 
 def finish(args, accelerator, model, trained, tokenizer):
@@ -166,7 +172,6 @@ def finish(args, accelerator, model, trained, tokenizer):
         log0(accelerator, f"pushing to {args.push_to_hub}: {', '.join(sorted(os.listdir(final)))}")
         upload_folder(final, args.push_to_hub, commit_message="hf_rtp finetune")
     accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 @torch.no_grad()

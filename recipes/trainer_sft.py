@@ -13,6 +13,7 @@ checkpoints are turned off; use recipes/finetune.py for resumable training state
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -103,6 +104,12 @@ def main(argv=None):
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
             json.dump({"log": logs, "replicated_identical": identical, "final": final}, f, indent=1)
         print(f"done: loss {logs[0]['loss']:.3f} -> {logs[-1]['loss']:.3f}; saved {final}", flush=True)
+    # Release the DDP wrapper and the model before the process groups go, then tear those down
+    # ourselves: left to interpreter shutdown, gloo objects can abort the process on exit.
+    accelerator = trainer.accelerator
+    del trainer, model
+    gc.collect()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
