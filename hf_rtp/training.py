@@ -39,11 +39,7 @@ def sync_grads(model: nn.Module) -> None:
     topology = getattr(_unwrap(model), "hf_rtp_topology", None)
     if topology is None or topology.world_size == 1:
         return
-    grads = [
-        p.grad
-        for p in {id(p): p for p in model.parameters()}.values()
-        if p.grad is not None and not isinstance(p, DTensor)
-    ]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)

@@ -69,16 +69,16 @@ class Source:
         if not self.per_row:
             return read_rows(entries[self.pieces[0][0]], *(rows or (None, None)))
         start, end = rows or (0, len(self.pieces) // self.per_row)
-        stacked = [
-            torch.cat([read_rows(entries[name]) for name, _ in self.pieces[r * self.per_row : (r + 1) * self.per_row]])
-            for r in range(start, end)
-        ]
-        return torch.stack(stacked) if stacked else self._empty(entries)
-
-    def _empty(self, entries) -> torch.Tensor:
         first = entries[self.pieces[0][0]]
         width = sum(shape[0] for _, shape in self.pieces[: self.per_row])
-        return torch.empty((0, width, *first.shape[1:]), dtype=first.dtype)
+        # each stored piece is read straight into its place: no concatenated or stacked copies
+        out = torch.empty((end - start, width, *first.shape[1:]), dtype=first.dtype)
+        for r in range(start, end):
+            offset = 0
+            for name, shape in self.pieces[r * self.per_row : (r + 1) * self.per_row]:
+                read_rows(entries[name], out=out[r - start, offset : offset + shape[0]])
+                offset += shape[0]
+        return out
 
     def stored_parts(self, shape: torch.Size):
         """(stored name, stored shape, dim-0 rows of the parameter, slice of dim 1) for saving."""

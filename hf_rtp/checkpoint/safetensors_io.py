@@ -101,14 +101,19 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_rows(entry: TensorEntry, start: int | None = None, end: int | None = None) -> torch.Tensor:
-    """Rows [start, end) of a tensor (all of it by default) as a new CPU tensor."""
+def read_rows(
+    entry: TensorEntry, start: int | None = None, end: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows [start, end) of a tensor (all of it by default), into `out` (contiguous CPU) or a new tensor."""
     if entry.shape and start is not None:
         shape = torch.Size((end - start, *entry.shape[1:]))
         offset = entry.offset + start * entry.row_bytes
     else:
         shape, offset = entry.shape, entry.offset
-    out = torch.empty(shape, dtype=entry.dtype)
+    if out is None:
+        out = torch.empty(shape, dtype=entry.dtype)
+    elif out.dtype != entry.dtype or out.numel() != math.prod(shape) or not out.is_contiguous():
+        raise ValueError(f"cannot read {entry.name} {list(shape)} {entry.dtype} into {list(out.shape)} {out.dtype}")
     view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
     fd = os.open(entry.path, os.O_RDONLY)
     try:
