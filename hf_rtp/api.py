@@ -15,7 +15,7 @@ from . import log, plans
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.keys import tie_targets, wants_for
 from .checkpoint.load import read_local
-from .checkpoint.save import push, save_pretrained
+from .checkpoint.save import parse_size, push, save_pretrained
 from .mesh import raise_if_any_failed, setup
 from .integrations.peft import make_peft_use_global_features
 from .plans.auto import auto_plan
@@ -35,6 +35,7 @@ def from_pretrained(
     token: str | bool | None = None,
     cache_dir: str | None = None,
     local_files_only: bool = False,
+    rotation_piece_size: int | str = "16MB",
     **config_kwargs,
 ) -> PreTrainedModel:
     """Load a causal-LM checkpoint with its weights rotated across all ranks. Every rank calls it.
@@ -52,9 +53,13 @@ def from_pretrained(
         plan: what to rotate. Default: the plan registered for config.model_type. A Plan, the
             model_type of a registered plan, or "auto" (rotate every Linear, Conv1D and Embedding).
         timeout: seconds (or timedelta) any collective may wait before failing; default 10 minutes.
+        rotation_piece_size: chunks larger than this (bytes, or a string like "16MB") travel the ring
+            in pieces, which bounds the rotation buffers every rank keeps (four such pieces at most).
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
+    piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
     topology = setup(device, device_mesh, timeout)
+    topology.ring.piece_bytes = piece_bytes
     directory = resolve_directory(os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only)
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
     if unused:

@@ -6,8 +6,14 @@ overlap (transfer of the next chunk while computing on the held one), the double
 travelling gradient accumulator live here once, not in every layer.
 
 Foreign chunks land in a `BufferPool` that all layers share: two weight slots and two gradient
-slots, each as large as the largest chunk seen, so a rotated op never holds more than its own chunk
-plus two foreign ones (design I3) and nothing is allocated per step.
+slots, so a rotated op never holds more than its own chunk plus two foreign ones (design I3) and
+nothing is allocated per step.
+
+A chunk larger than `piece_bytes` (16 MB by default) walks the ring as several pieces, one full
+walk per piece (rows cut again by the torch.chunk rule). The pool is then sized by the largest
+piece rather than the largest chunk. That matters because the largest chunks are the embedding
+and the LM head: at 2 ranks their slots alone would cost a 90M Llama about 15% of its per-rank
+memory, for transfers that are no faster whole than in 16 MB pieces.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ Bundle = Sequence[torch.Tensor]
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
+DEFAULT_PIECE_BYTES = 16 * 10**6  # from_pretrained's rotation_piece_size="16MB"
+Rows = tuple[int, int]
 
 
 class BufferPool:
@@ -51,13 +59,13 @@ class BufferPool:
             offset += n
         return views
 
-    def plan(self, layout: ChunkLayout, like: torch.Tensor) -> None:
-        """Size every slot for the largest chunk up front, so none is regrown mid-step.
+    def plan(self, numel: int, like: torch.Tensor) -> None:
+        """Size every slot for the largest piece up front, so none is regrown mid-step.
 
         Slots are still allocated on first use: gradient slots only once training starts.
         """
         key = (like.dtype, like.device)
-        self._planned[key] = max(self._planned.get(key, 0), layout.max_numel())
+        self._planned[key] = max(self._planned.get(key, 0), numel)
 
     def buffers(self, role: str) -> list[torch.Tensor]:
         return [t for (r, *_), t in self._flat.items() if r == role]
@@ -75,8 +83,9 @@ class _Pending:
 class Ring:
     """Neighbour exchange on `group` (None: a ring of one, which never communicates)."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, piece_bytes: int = DEFAULT_PIECE_BYTES):
         self.group = group
+        self.piece_bytes = piece_bytes
         if group is None:
             self.rank, self.size = 0, 1
             self._next = self._prev = 0
@@ -103,114 +112,136 @@ class Ring:
         works += [dist.irecv(t, self._prev, group=self.group, tag=k) for t, k in recvs]
         return _Pending(works)
 
-    def forward_walk(self, own: Bundle, layout: ChunkLayout, compute: Callable[[int, Bundle], None]) -> None:
-        """Call `compute(j, chunk_j)` for every chunk j, own first, while the next one is in flight."""
-        index, held = self.rank, own
-        for step in range(self.size):
-            last = step == self.size - 1
-            if not last:
-                following = (index - 1) % self.size
-                incoming = self.pool.take("weights", step % 2, layout.shapes(following), own[0])
-                pending = self._exchange(held, incoming, _WEIGHT_TAG)
-            compute(index, held)
-            if not last:
-                pending.wait()
-                index, held = following, incoming
+    def pieces(self, layout: ChunkLayout, like: torch.Tensor) -> int:
+        """How many pieces each chunk of `layout` walks the ring in (1 on a ring of one)."""
+        return 1 if self.size == 1 else layout.pieces_for(self.piece_bytes // like.element_size())
+
+    def plan(self, layout: ChunkLayout, like: torch.Tensor) -> None:
+        """Reserve pool slots large enough for this layout's largest piece."""
+        if self.size > 1:
+            self.pool.plan(layout.max_piece_numel(self.pieces(layout, like)), like)
+
+    def _own_piece(self, own: Bundle, layout: ChunkLayout, rows: Rows) -> list[torch.Tensor]:
+        first = layout.bounds(self.rank)[0]
+        return [t[rows[0] - first : rows[1] - first] for t in own]  # dim-0 views: contiguous, no copy
+
+    def forward_walk(self, own: Bundle, layout: ChunkLayout, compute: Callable[[Rows, Bundle], None]) -> None:
+        """Call `compute(rows, piece)` for every piece of every chunk, own chunk first, while the next
+        piece is in flight. `rows` are the piece's global rows [start, end)."""
+        pieces = self.pieces(layout, own[0])
+        for p in range(pieces):
+            index = self.rank
+            held = self._own_piece(own, layout, layout.piece(index, p, pieces))
+            for step in range(self.size):
+                last = step == self.size - 1
+                if not last:
+                    following = (index - 1) % self.size
+                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), own[0])
+                    pending = self._exchange(held, incoming, _WEIGHT_TAG)
+                compute(layout.piece(index, p, pieces), held)
+                if not last:
+                    pending.wait()
+                    index, held = following, incoming
 
     def backward_walk(
         self,
         own: Bundle,
         layout: ChunkLayout,
-        accumulate: Callable[[int, Bundle | None, Bundle], None] | None,
-        input_grad: Callable[[int, Bundle], None] | None,
+        accumulate: Callable[[Rows, Bundle | None, Bundle], None] | None,
+        input_grad: Callable[[Rows, Bundle], None] | None,
     ) -> list[torch.Tensor] | None:
         """Walk the ring again for backward; return this rank's summed weight gradients.
 
-        `accumulate(j, chunk_j, acc)` adds this rank's gradient for chunk j into `acc`, an
-        accumulator that travels with the chunk: after N hops it arrives home holding the sum over
+        `accumulate(rows, piece, acc)` adds this rank's gradient for those rows into `acc`, an
+        accumulator that travels with the piece: after N hops it arrives home holding the sum over
         all ranks, so rotated weights need no all-reduce. Weights rotate only when `input_grad` is
-        given (an embedding needs none; `chunk_j` is then None); `input_grad(j, chunk_j)` runs while
+        given (an embedding needs none; `piece` is then None); `input_grad(rows, piece)` runs while
         the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
         gradients at all.
         """
         like = own[0]
-        index, held = self.rank, own
-        acc = None
-        for step in range(self.size):
-            last = step == self.size - 1
-            following = (index - 1) % self.size
-            weights_pending = grads_pending = None
-            if input_grad is not None and not last:
-                incoming = self.pool.take("weights", step % 2, layout.shapes(following), like)
-                weights_pending = self._exchange(held, incoming, _WEIGHT_TAG)
+        if self.size == 1:
+            acc = None
             if accumulate is not None:
-                if step == 0:
-                    shapes = layout.shapes(index)
-                    acc = self.pool.take("grads", 0, shapes, like) if self.size > 1 else [like.new_empty(s) for s in shapes]
-                    for a in acc:
-                        a.zero_()
-                accumulate(index, held if input_grad is not None else None, acc)
-                if self.size > 1:
-                    # The last hop brings this rank's own, complete gradient home into fresh memory:
-                    # it becomes `.grad`, so it must not live in the shared pool.
+                acc = [like.new_zeros(s) for s in layout.shapes(0)]
+                accumulate(layout.bounds(0), own if input_grad is not None else None, acc)
+            if input_grad is not None:
+                input_grad(layout.bounds(0), own)
+            return acc
+        pieces = self.pieces(layout, like)
+        # The last hop brings each piece of this rank's complete gradient home into fresh memory:
+        # it becomes `.grad`, so it must not live in the shared pool.
+        home = [like.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
+        for p in range(pieces):
+            index = self.rank
+            held = self._own_piece(own, layout, layout.piece(index, p, pieces))
+            acc = None
+            for step in range(self.size):
+                last = step == self.size - 1
+                following = (index - 1) % self.size
+                rows, next_rows = layout.piece(index, p, pieces), layout.piece(following, p, pieces)
+                weights_pending = grads_pending = None
+                if input_grad is not None and not last:
+                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), like)
+                    weights_pending = self._exchange(held, incoming, _WEIGHT_TAG)
+                if accumulate is not None:
+                    if step == 0:
+                        acc = self.pool.take("grads", 0, layout.shapes_of(rows), like)
+                        for a in acc:
+                            a.zero_()
+                    accumulate(rows, held if input_grad is not None else None, acc)
                     if last:
-                        landing = [like.new_empty(s) for s in layout.shapes(following)]
+                        landing = self._own_piece(home, layout, next_rows)
                     else:
-                        landing = self.pool.take("grads", (step + 1) % 2, layout.shapes(following), like)
+                        landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), like)
                     # Sent while input_grad below runs: the transfer hides behind that matmul.
                     grads_pending = self._exchange(acc, landing, _GRAD_TAG)
-            if input_grad is not None:
-                input_grad(index, held)
-            if weights_pending is not None:
-                weights_pending.wait()
-                held = incoming
-            if grads_pending is not None:
-                grads_pending.wait()
-                acc = landing
-            index = following
-        return acc
+                if input_grad is not None:
+                    input_grad(rows, held)
+                if weights_pending is not None:
+                    weights_pending.wait()
+                    held = incoming
+                if grads_pending is not None:
+                    grads_pending.wait()
+                    acc = landing
+                index = following
+        return home
 
-    def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+    def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.
 
-        Rank 0 yields each owner's piece, its own first, while the next one is in flight, so it
-        holds at most two foreign pieces, never the whole tensor; they land in the weight slots,
-        idle while saving. Every other rank sends its overlap and yields nothing. Every rank
-        must exhaust the iterator.
+        Rank 0 yields each owner's rows, its own first, in pieces of at most `piece_bytes`, while
+        the next piece is in flight, so it holds at most two foreign pieces, never the whole tensor;
+        they land in the weight slots, idle while saving. Every other rank sends its pieces and
+        yields nothing. Every rank must exhaust the iterator.
         """
         start, end = rows or (0, layout.rows)
+        count = self.pieces(layout, own)  # the walks' pieces, so the pool's slots already fit them
 
-        def overlap(j: int) -> tuple[int, int]:
-            first, last = layout.bounds(j)
-            return max(first, start), min(last, end)
+        def pieces(j: int) -> list[Rows]:
+            cut = [layout.piece(j, p, count) for p in range(count)]
+            return [(max(lo, start), min(hi, end)) for lo, hi in cut if min(hi, end) > max(lo, start)]
 
         if self.rank != 0:
-            lo, hi = overlap(self.rank)
-            if hi > lo:
-                first = layout.bounds(self.rank)[0]
+            first = layout.bounds(self.rank)[0]
+            for lo, hi in pieces(self.rank):
                 piece = own[lo - first : hi - first].contiguous()
                 dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG).wait()
             return
 
-        owners = [j for j in range(self.size) if overlap(j)[1] > overlap(j)[0]]
+        for lo, hi in pieces(0):
+            yield own[lo:hi]
+        foreign = [(j, piece) for j in range(1, self.size) for piece in pieces(j)]
 
-        def receive(slot: int, j: int):
-            lo, hi = overlap(j)
-            shape = torch.Size((hi - lo, *own.shape[1:]))
-            (buffer,) = self.pool.take("weights", slot, [shape], own)
-            source = dist.get_global_rank(self.group, j)
-            return buffer, dist.irecv(buffer, source, group=self.group, tag=_COLLECT_TAG)
+        def receive(k: int):
+            j, (lo, hi) = foreign[k]
+            (buffer,) = self.pool.take("weights", k % 2, [torch.Size((hi - lo, *own.shape[1:]))], own)
+            return buffer, dist.irecv(buffer, dist.get_global_rank(self.group, j), group=self.group, tag=_COLLECT_TAG)
 
-        foreign = [j for j in owners if j != 0]
-        incoming = receive(0, foreign[0]) if foreign else None
-        for j in owners:
-            if j == 0:
-                lo, hi = overlap(0)
-                yield own[lo:hi]
-                continue
+        incoming = receive(0) if foreign else None
+        for k in range(len(foreign)):
             buffer, work = incoming
             work.wait()
-            position = foreign.index(j)
-            if position + 1 < len(foreign):
-                incoming = receive((position + 1) % 2, foreign[position + 1])  # the other slot
+            if k + 1 < len(foreign):
+                incoming = receive(k + 1)  # into the other slot, while the caller writes this one
             yield buffer

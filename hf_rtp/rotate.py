@@ -43,7 +43,7 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
             rotated = LAYERS[kind].rotated(source, ring=topology.ring, **leaves)
             model.set_submodule(module_name, rotated)
             first = params[f"{module_name}.{LAYERS[kind].rotated_leaves[0]}"]
-            topology.ring.pool.plan(rotated.layout, first.to_local())
+            topology.ring.plan(rotated.layout, first.to_local())
 
     for module in model.modules():
         for key, buffer in module._buffers.items():

@@ -40,8 +40,30 @@ class ChunkLayout:
         return chunk_rows(self.rows, self.world_size, index)
 
     def shapes(self, index: int) -> list[torch.Size]:
-        start, end = self.bounds(index)
+        return self.shapes_of(self.bounds(index))
+
+    def shapes_of(self, rows: tuple[int, int]) -> list[torch.Size]:
+        """Shapes of the bundle's rows [start, end)."""
+        start, end = rows
         return [torch.Size((end - start, *shape[1:])) for shape in self.global_shapes]
+
+    def piece(self, index: int, piece: int, pieces: int) -> tuple[int, int]:
+        """Global rows of piece `piece` when chunk `index` is cut again into `pieces` by the same rule."""
+        start, end = self.bounds(index)
+        lo, hi = chunk_rows(end - start, pieces, piece)
+        return start + lo, start + hi
+
+    def pieces_for(self, max_numel: int) -> int:
+        """How many pieces keep every chunk's pieces within `max_numel` elements (the same on every rank)."""
+        rows = max(end - start for start, end in map(self.bounds, range(self.world_size)))
+        return max(1, min(rows, math.ceil(self.max_numel() / max(1, max_numel))))
+
+    def max_piece_numel(self, pieces: int) -> int:
+        return max(
+            sum(math.prod(s) for s in self.shapes_of(self.piece(j, p, pieces)))
+            for j in range(self.world_size)
+            for p in range(pieces)
+        )
 
     def max_numel(self) -> int:
         return max(sum(math.prod(s) for s in self.shapes(j)) for j in range(self.world_size))

@@ -34,13 +34,13 @@ _IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: int | str, what: str = "max_shard_size") -> int:
     """'5GB' -> 5 * 10**9 and '5GiB' -> 5 * 2**30, as transformers reads max_shard_size."""
-    if isinstance(size, int):
+    if isinstance(size, int) and size > 0:
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", size.upper())
-    if not match:
-        raise ValueError(f"max_shard_size must be bytes or like '5GB', got {size!r}")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", size.upper()) if isinstance(size, str) else None
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes or a size like '5GB', got {size!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 

@@ -21,8 +21,8 @@ class _RotatedConv1DFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         out = x2.new_zeros(x2.shape[0], layout.global_shapes[0][1])
 
-        def compute(j, chunk):
-            start, end = layout.bounds(j)
+        def compute(rows, chunk):
+            start, end = rows
             out.addmm_(x2[:, start:end], chunk[0].to(out.dtype))
 
         with torch.autocast(x.device.type, enabled=False):
@@ -39,12 +39,12 @@ class _RotatedConv1DFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
 
-        def accumulate(j, _chunk, acc):
-            start, end = layout.bounds(j)
+        def accumulate(rows, _chunk, acc):
+            start, end = rows
             add_matmul(acc[0], x2[:, start:end].t(), g2)
 
-        def input_grad(j, chunk):
-            start, end = layout.bounds(j)
+        def input_grad(rows, chunk):
+            start, end = rows
             grad_x[:, start:end] = g2 @ chunk[0].to(g2.dtype).t()  # each chunk owns its input columns
 
         landed = ctx.ring.backward_walk(

@@ -24,8 +24,8 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
     def forward(ctx, ids, weight, ring: Ring, layout: ChunkLayout, padding_idx: int | None):
         out = weight.new_zeros(*ids.shape, layout.global_shapes[0][1])
 
-        def compute(j, chunk):
-            start, end = layout.bounds(j)
+        def compute(rows, chunk):
+            start, end = rows
             hit = _in_range(ids, start, end)
             out[hit] = F.embedding(ids[hit] - start, chunk[0])
 
@@ -44,8 +44,8 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
             # vanilla nn.Embedding never updates its padding row
             flat_ids = flat_ids.masked_fill(flat_ids == ctx.padding_idx, -1)
 
-        def accumulate(j, _chunk, acc):
-            start, end = layout.bounds(j)
+        def accumulate(rows, _chunk, acc):
+            start, end = rows
             hit = _in_range(flat_ids, start, end)
             acc[0].index_add_(0, flat_ids[hit] - start, g[hit].to(acc[0].dtype))
 

@@ -30,9 +30,9 @@ class _Routes:
             start += count
         self.rows = start
 
-    def held(self, layout: ChunkLayout, j: int):
-        """For each expert of chunk j that has tokens: its index in the chunk, its rows, tokens, slots."""
-        first, last = layout.bounds(j)
+    def held(self, experts: tuple[int, int]):
+        """For each held expert that has tokens: its index in the held piece, its rows, tokens, slots."""
+        first, last = experts
         for e in range(first, last):
             start, end = self.bounds[e]
             if start != end:
@@ -50,9 +50,9 @@ class _RotatedExpertsFn(torch.autograd.Function):
         y_all = hidden.new_empty(routes.rows, hidden.shape[-1], dtype=dtype)
         out = torch.zeros_like(hidden)
 
-        def compute(j, chunk):
+        def compute(rows, chunk):
             gate_up_j, down_j = chunk
-            for e, start, end, token, slot in routes.held(layout, j):
+            for e, start, end, token, slot in routes.held(rows):
                 gu = torch.mm(hidden[token].to(dtype), gate_up_j[e].to(dtype).t(), out=gu_all[start:end])
                 gate, up = gu.chunk(2, dim=-1)
                 h = torch.mul(act_fn(gate), up, out=h_all[start:end])
@@ -74,10 +74,10 @@ class _RotatedExpertsFn(torch.autograd.Function):
         wants_weight_grads = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         dgu_all = torch.empty_like(gu_all)
 
-        def expert_grads(j, chunk, acc):
+        def expert_grads(rows, chunk, acc):
             """Per held expert: routing-weight grads, d(gate_up) rows, and (with acc) weight grads."""
             _, down_j = chunk
-            for e, start, end, token, slot in routes.held(layout, j):
+            for e, start, end, token, slot in routes.held(rows):
                 g = grad_out[token]
                 if grad_weights is not None:
                     grad_weights[token, slot] = (g * y_all[start:end]).sum(-1).to(grad_weights.dtype)
@@ -95,13 +95,13 @@ class _RotatedExpertsFn(torch.autograd.Function):
                     add_matmul(acc[0][e], dgu.t(), hidden[token].to(dgu.dtype))
                     add_matmul(acc[1][e], gy.t(), h_all[start:end])
 
-        def input_grad(j, chunk):
+        def input_grad(rows, chunk):
             if not wants_weight_grads:  # expert_grads did not run in accumulate
-                expert_grads(j, chunk, None)
+                expert_grads(rows, chunk, None)
             if grad_hidden is None:
                 return
             gate_up_j, _ = chunk
-            for e, start, end, token, _ in routes.held(layout, j):
+            for e, start, end, token, _ in routes.held(rows):
                 grad = dgu_all[start:end] @ gate_up_j[e].to(dgu_all.dtype)
                 grad_hidden.index_add_(0, token, grad.to(grad_hidden.dtype))
 

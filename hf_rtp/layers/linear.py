@@ -19,8 +19,8 @@ class _RotatedLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ring: Ring, layout: ChunkLayout):
         out = x.new_empty(*x.shape[:-1], layout.rows)
 
-        def compute(j, chunk):
-            start, end = layout.bounds(j)
+        def compute(rows, chunk):
+            start, end = rows
             out[..., start:end] = F.linear(x, *(t.to(x.dtype) for t in chunk))
 
         with torch.autocast(x.device.type, enabled=False):
@@ -39,15 +39,15 @@ class _RotatedLinearFn(torch.autograd.Function):
         grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
-        def accumulate(j, _chunk, acc):
-            start, end = layout.bounds(j)
+        def accumulate(rows, _chunk, acc):
+            start, end = rows
             g = g2[:, start:end]
             add_matmul(acc[0], g.t(), x2)
             if bias is not None:
                 acc[1].add_(g.sum(0))
 
-        def input_grad(j, chunk):
-            start, end = layout.bounds(j)
+        def input_grad(rows, chunk):
+            start, end = rows
             grad_x.addmm_(g2[:, start:end], chunk[0].to(g2.dtype))
 
         landed = ring.backward_walk(

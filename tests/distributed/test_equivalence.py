@@ -36,6 +36,10 @@ CASES = [
     ],
     pytest.param("gpt2", False, None, "original-names", 3, id="gpt2-original-hub-names-3"),
     pytest.param("mixtral", False, None, "fused", 3, id="mixtral-fused-experts-3"),
+    # Chunks walk the ring in pieces of at most 1 KB (a few rows; some pieces empty at 3 ranks)
+    pytest.param("llama", True, SPLIT, "pieces", 3, id="llama-tied-split-pieces-3"),
+    pytest.param("gpt2", False, None, "pieces", 3, id="gpt2-pieces-3"),
+    pytest.param("mixtral", False, None, "pieces", 2, id="mixtral-pieces-2"),
     *[pytest.param("qwen2", False, None, "auto", world, id=f"qwen2-auto-{world}") for world in (1, 2, 3)],
     pytest.param("qwen2", True, SPLIT, "auto", 2, id="qwen2-auto-tied-split-2"),
 ]
@@ -77,7 +81,7 @@ def _float64_loss(out, ids, config):
     return loss
 
 
-def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save):
+def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save, piece_size):
     import hf_rtp
     import torch.distributed as dist
     from safetensors import safe_open
@@ -88,7 +92,7 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save)
     # transformers' default grouped_mm experts have no float64 kernel; eager is the same math
     with open(os.path.join(ckpt, "config.json")) as f:
         extra = {"experts_implementation": "eager"} if json.load(f)["model_type"] == "mixtral" else {}
-    model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE, plan=plan, **extra)
+    model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE, plan=plan, rotation_piece_size=piece_size, **extra)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPE, **extra)
     assert type(model) is type(ref)
     assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
@@ -161,7 +165,8 @@ def test_rotated_model_matches_vanilla(tmp_path, arch, tied, max_shard_size, spe
     plan = "auto" if special == "auto" else None
     # Vanilla groups a split Mixtral's per-expert tensors into files by shared storage; ours split in
     # sorted name order. Both hold the same names and load alike: file-by-file equality is not asked.
-    like_vanilla_save = special in (None, "auto") and not (arch == "mixtral" and max_shard_size)
-    args = (ckpt, str(tmp_path / "out"), max_shard_size, plan, like_vanilla_save)
+    like_vanilla_save = special in (None, "auto", "pieces") and not (arch == "mixtral" and max_shard_size)
+    piece_size = "1KB" if special == "pieces" else "16MB"
+    args = (ckpt, str(tmp_path / "out"), max_shard_size, plan, like_vanilla_save, piece_size)
     losses = run_on_ranks(_train_step_and_save, world_size, *args)
     assert len(set(losses)) == world_size  # each rank really trained on its own batch

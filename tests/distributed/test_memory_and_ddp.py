@@ -3,6 +3,7 @@ and DDP interplay (DDP leaves rotated parameters to the ring and averages the re
 
 import os
 
+import pytest
 import torch
 from support.models import global_batch, make_tiny_llama
 from support.spawn import run_on_ranks
@@ -68,11 +69,11 @@ def test_ddp_matches_sync_grads_and_rank_holds_its_share(tmp_path):
         assert local_share < 0.52
 
 
-def _count_live_chunks(ckpt, out):
+def _count_live_chunks(ckpt, out, piece_size):
     import hf_rtp
 
     rank, world = _rank_world()
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rotation_piece_size=piece_size).train()
     ring = model.hf_rtp_topology.ring
 
     # Spy on what each rotated op's compute step receives: which foreign chunks it ever holds.
@@ -81,10 +82,11 @@ def _count_live_chunks(ckpt, out):
     def spying_walk(own, layout, compute):
         storages = set()
 
-        def record(j, chunk):
-            if j != rank:
-                storages.add(chunk[0].untyped_storage().data_ptr())
-            compute(j, chunk)
+        def record(rows, chunk):
+            storage = chunk[0].untyped_storage().data_ptr()
+            if storage != own[0].untyped_storage().data_ptr():
+                storages.add(storage)
+            compute(rows, chunk)
 
         walk(own, layout, record)
         foreign_per_op.append(storages)
@@ -103,8 +105,11 @@ def _count_live_chunks(ckpt, out):
 
     weight_buffers = ring.pool.buffers("weights")
     pool = {b.untyped_storage().data_ptr() for b in weight_buffers}
-    largest = max(m.layout.max_numel() for m in model.modules() if hasattr(m, "layout"))
+    layouts = [m.layout for m in model.modules() if hasattr(m, "layout")]
+    largest = max(layout.max_piece_numel(ring.pieces(layout, weight_buffers[0])) for layout in layouts)
     assert len(weight_buffers) == 2 and all(b.numel() == largest for b in weight_buffers)
+    if piece_size != "16MB":  # slots hold a piece, far less than the largest chunk (the embedding's)
+        assert largest * 4 <= ring.piece_bytes < 4 * max(layout.max_numel() for layout in layouts)
     assert ring.pool.allocations == 4  # two weight and two gradient slots, sized once, never regrown
     assert len(ring.pool.buffers("grads")) == 2
     assert len(foreign_per_op) == sum(1 for m in model.modules() if hasattr(m, "layout"))
@@ -115,7 +120,8 @@ def _count_live_chunks(ckpt, out):
     return len(foreign_per_op)
 
 
-def test_rotated_op_holds_at_most_two_foreign_chunks(tmp_path):
+@pytest.mark.parametrize("piece_size", ["16MB", "2KB"])
+def test_rotated_op_holds_at_most_two_foreign_chunks(tmp_path, piece_size):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
-    ops = run_on_ranks(_count_live_chunks, 3, ckpt, str(tmp_path / "out"))
+    ops = run_on_ranks(_count_live_chunks, 3, ckpt, str(tmp_path / "out"), piece_size)
     assert ops[0] == 2 * 7 + 2  # 7 projections per layer, embedding, LM head
