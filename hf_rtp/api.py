@@ -16,6 +16,7 @@ from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.keys import tie_targets, wants_for
 from .checkpoint.load import read_local
 from .checkpoint.save import parse_size, push, save_pretrained
+from .generation import generate
 from .mesh import raise_if_any_failed, setup
 from .integrations.peft import make_peft_use_global_features
 from .plans.auto import auto_plan
@@ -94,6 +95,7 @@ def from_pretrained(
     model.hf_rtp_stored_format = stored_format  # save_pretrained writes the names it was loaded from
     model.save_pretrained = types.MethodType(save_pretrained, model)
     model.push_to_hub = types.MethodType(push, model)
+    model.generate = types.MethodType(generate, model)
     if topology.world_size > 1:
         allow_mixed_parameters()
         make_peft_use_global_features()

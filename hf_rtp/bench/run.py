@@ -1,0 +1,200 @@
+"""`hf-rtp bench`: single process, DDP, FSDP2, transformers TP and RTP, side by side in one run.
+
+    hf-rtp bench --preset llama-90m --world-sizes 2,4 --batch 2 --seq 128 --output bench-out
+
+Each strategy runs in fresh processes (one per rank, gloo on CPU) that load the checkpoint, then
+train warm-up + measured steps of fp32 AdamW on random tokens. Reported per strategy and world size:
+peak memory per rank during training (CPU: VmRSS above the process's size before loading, sampled
+from outside every 2 ms; GPU: torch.cuda.max_memory_allocated), median step time, global tokens/s,
+load time and load peak, memory scaling efficiency, and hf_rtp's estimate beside the measurement.
+Writes a table to stdout, results.json and bench.png to --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+from .. import memory
+from .presets import PRESETS, make_preset
+from .processes import peak_between, run_ranks
+from .worker import STRATEGIES
+
+
+def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
+    """Run one strategy on `world_size` ranks; summarise it as its worst rank."""
+    worker_args = [strategy, checkpoint, "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]
+    reports = run_ranks("hf_rtp.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
+    for r in reports:
+        samples = r.pop("rss_samples")
+        if args.device == "cuda":
+            r["peak"], r["load_peak"] = r["cuda_train_peak"], r["cuda_load_peak"]
+        else:
+            r["peak"] = peak_between(samples, r["load_end"], r["train_end"]) - r["baseline_rss"]
+            r["load_peak"] = peak_between(samples, r["load_start"], r["load_end"]) - r["baseline_rss"]
+    worst = max(reports, key=lambda r: r["peak"])
+    step_s = max(r["step_s"] for r in reports)
+    # Tensor parallelism trains one batch on all ranks together; the others one batch per rank.
+    batches = 1 if strategy == "tp" else world_size
+    return {
+        "strategy": strategy,
+        "world_size": world_size,
+        "peak_gb": worst["peak"] / 1e9,
+        "load_peak_gb": max(r["load_peak"] for r in reports) / 1e9,
+        "load_s": max(r["load_s"] for r in reports),
+        "step_s": step_s,
+        "tokens_per_s": batches * args.batch * args.seq / step_s,
+        "local_param_gb": worst["local_param_bytes"] / 1e9,
+        "loss_first": reports[0]["losses"][0],  # rank 0's first batch is the same in every strategy
+        "ranks": reports,
+    }
+
+
+def add_efficiency(rows: list[dict], states_gb: float) -> None:
+    """Memory scaling efficiency (the RTP paper): ideal = model states / N + the activations of the
+    local batch, taken from the single-process run as its peak minus the model states."""
+    single = next((r for r in rows if r["strategy"] == "single"), None)
+    if single is None:
+        return
+    activations = single["peak_gb"] - states_gb
+    for r in rows:
+        r["ideal_gb"] = states_gb / r["world_size"] + activations
+        r["efficiency"] = r["ideal_gb"] / r["peak_gb"]
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'strategy':<8} {'N':>2} {'peak GB/rank':>12} {'estimate':>8} {'efficiency':>10} {'step s':>7} {'tokens/s':>9} {'load s':>7} {'load peak GB':>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['strategy']:<8} {r['world_size']:>2} {r['peak_gb']:>12.3f} {r.get('estimate_gb', float('nan')):>8.3f} "
+            f"{r.get('efficiency', float('nan')):>10.2f} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} {r['load_s']:>7.1f} "
+            f"{r['load_peak_gb']:>12.3f}"
+        )
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """RTP against each other strategy at the same world size: memory, step time, tokens/s."""
+    out = []
+    by = {(r["strategy"], r["world_size"]): r for r in rows}
+    for (strategy, n), rtp in sorted(by.items()):
+        if strategy != "rtp":
+            continue
+        for other in ("ddp", "fsdp2", "tp"):
+            if (other, n) in by:
+                o = by[(other, n)]
+                out.append(f"N={n}: rtp/{other}: memory {rtp['peak_gb'] / o['peak_gb']:.2f}x, step time "
+                           f"{rtp['step_s'] / o['step_s']:.2f}x, tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x")
+    return out
+
+
+def chart(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["world_size"] for r in rows if r["strategy"] != "single"}) or [1]
+    strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    panels = 3 if len(sizes) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    width = 0.8 / len(sizes)
+    for k, n in enumerate(sizes):
+        picked = [next((r for r in rows if r["strategy"] == s and r["world_size"] in (n, 1) and (s == "single") == (r["world_size"] == 1)), None)
+                  for s in strategies]
+        xs = [i + k * width for i in range(len(strategies))]
+        axes[0].bar(xs, [r["peak_gb"] if r else 0 for r in picked], width, label=f"N={n}")
+        axes[1].bar(xs, [r["tokens_per_s"] if r else 0 for r in picked], width, label=f"N={n}")
+    for ax, label in zip(axes[:2], ("peak memory per rank (GB)", "global tokens/s")):
+        ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(strategies))], strategies)
+        ax.set_ylabel(label)
+        ax.legend()
+    if panels == 3:
+        for s in strategies:
+            pts = sorted((r["world_size"], r["peak_gb"]) for r in rows if r["strategy"] == s)
+            axes[2].plot(*zip(*pts), marker="o", label=s)
+        ideal = sorted((r["world_size"], r["ideal_gb"]) for r in rows if r["strategy"] == "rtp" and "ideal_gb" in r)
+        if ideal:
+            axes[2].plot(*zip(*ideal), linestyle="--", color="gray", label="ideal")
+        axes[2].set_xlabel("world size")
+        axes[2].set_ylabel("peak memory per rank (GB)")
+        axes[2].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="hf-rtp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="a local checkpoint folder")
+    src.add_argument("--preset", choices=sorted(PRESETS), default="llama-90m", help="a config made locally (default llama-90m)")
+    p.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="measured steps (median reported)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--output", default="bench-out", help="folder for results.json and bench.png")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one strategy may take")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    try:
+        sizes = [int(n) for n in args.world_sizes.split(",")]
+    except ValueError:
+        sizes = [0]
+    strategies = args.strategies.split(",")
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown or any(n < 1 for n in sizes):
+        raise SystemExit(f"strategies must be among {', '.join(STRATEGIES)} and world sizes >= 1")
+    if args.device == "cuda":
+        import torch
+
+        if max(sizes) > torch.cuda.device_count() and any(s != "single" for s in strategies):
+            raise SystemExit(f"--device cuda needs one GPU per rank (NCCL); {torch.cuda.device_count()} visible. "
+                             "Use --strategies single, or smaller --world-sizes.")
+    os.makedirs(args.output, exist_ok=True)
+    checkpoint = args.checkpoint or make_preset(args.preset, os.path.join(tempfile.gettempdir(), f"hf-rtp-bench-{args.preset}"))
+    config = memory.load_config(checkpoint)
+    states_gb = memory.model_states_bytes(config, args.dtype) / 1e9
+
+    runs = [("single", 1)] if "single" in strategies else []
+    runs += [(s, n) for n in sizes for s in strategies if s != "single"]
+    rows = []
+    failed = []
+    for strategy, n in runs:
+        print(f"running {strategy} on {n} rank(s) ...", flush=True)
+        try:
+            row = measure(strategy, checkpoint, n, args)
+        except RuntimeError as err:  # e.g. TP when the heads do not divide by N: report it, run the rest
+            reason = str(err).strip().splitlines()[-1]
+            print(f"  {strategy} on {n} rank(s) failed: {reason}", flush=True)
+            failed.append({"strategy": strategy, "world_size": n, "error": str(err)[-4000:]})
+            continue
+        row["estimate_gb"] = memory.estimate(config, n, batch=args.batch, seq=args.seq, dtype=args.dtype)[strategy] / 1e9
+        rows.append(row)
+    add_efficiency(rows, states_gb)
+
+    name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset
+    title = f"{name}: batch {args.batch}x{args.seq} per rank, {args.dtype} AdamW, {args.device}"
+    print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))
+    for f in failed:
+        print(f"{f['strategy']} on {f['world_size']} rank(s) failed (see results.json)")
+    result = {"settings": vars(args), "checkpoint": checkpoint, "model_states_gb": states_gb, "results": rows,
+              "failed": failed}
+    with open(os.path.join(args.output, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    chart(rows, os.path.join(args.output, "bench.png"), title)
+    print(f"\nwrote {os.path.join(args.output, 'results.json')} and {os.path.join(args.output, 'bench.png')}")
+    return result

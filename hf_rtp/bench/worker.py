@@ -1,0 +1,135 @@
+"""One rank of one strategy in the benchmark: load the checkpoint, train a few steps, report.
+
+    python -m hf_rtp.bench.worker STRATEGY CHECKPOINT --batch 2 --seq 128 --warmup 2 --steps 5
+
+Run by `hf_rtp.bench.run` with RANK/WORLD_SIZE set; prints one JSON line. Marks are wall-clock
+times, so the parent can cut its VmRSS samples into the load and training phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .processes import vm_rss
+
+STRATEGIES = ("single", "ddp", "fsdp2", "tp", "rtp")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules transformers itself never splits across devices (LlamaDecoderLayer, GPT2Block, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if strategy == "rtp":
+        import hf_rtp
+
+        return hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device)
+    if strategy == "tp":
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
+    if strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+def train_step(model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    if strategy == "rtp":
+        import hf_rtp
+
+        hf_rtp.sync_grads(model)  # replicated norms; the ring already averaged the rotated weights
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("strategy", choices=STRATEGIES)
+    p.add_argument("checkpoint")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dtype = getattr(torch, args.dtype)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.checkpoint).vocab_size
+    # Tensor parallelism needs the same batch on every rank; the data-parallel strategies each take their own.
+    seed = 0 if args.strategy == "tp" else rank
+    batches = torch.randint(0, vocab, (args.warmup + args.steps, args.batch, args.seq),
+                            generator=torch.Generator().manual_seed(seed)).to(device)
+
+    marks = {"baseline_rss": vm_rss(os.getpid()), "load_start": time.time()}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = load(args.strategy, args.checkpoint, dtype, device).train()
+    marks["load_end"] = time.time()
+    if device.type == "cuda":
+        marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    times, losses = [], []
+    for batch in batches:
+        if world_size > 1:
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        losses.append(train_step(model, args.strategy, batch, optimizer))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if world_size > 1:
+            dist.barrier()  # a step ends when the slowest rank ends it
+        times.append(time.perf_counter() - start)
+    marks["train_end"] = time.time()
+    if device.type == "cuda":
+        marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
+    params = {id(q): q for q in model.parameters()}.values()
+    local_bytes = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in params)
+    report = dict(marks, rank=rank, world_size=world_size, step_times=times[args.warmup:],
+                  step_s=statistics.median(times[args.warmup:]), losses=losses, local_param_bytes=local_bytes,
+                  load_s=marks["load_end"] - marks["load_start"])
+    print(json.dumps(report), flush=True)
+    del model, optimizer
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""generate() on a rotated model: every forward walks the ring, so every rank must keep stepping.
+
+transformers stops a rank's loop when its own sequences are done, which would leave the others
+waiting in the ring. With `synced_gpus=True` finished ranks keep running forward passes until all
+ranks are done (as under DeepSpeed ZeRO-3 or FSDP). hf_rtp makes that the default at world size > 1.
+"""
+
+from __future__ import annotations
+
+
+def generate(model, *args, synced_gpus: bool | None = None, **kwargs):
+    if synced_gpus is None:
+        synced_gpus = model.hf_rtp_topology.world_size > 1
+    return type(model).generate(model, *args, synced_gpus=synced_gpus, **kwargs)

@@ -1,0 +1,193 @@
+"""Per-rank training memory from config.json alone: DDP, FSDP2, transformers TP and RTP.
+
+    hf-rtp estimate ./my-model --world-size 4 --batch 2 --seq 128
+
+Nothing is read but the config: the model is built on the meta device, which gives every
+parameter's shape, hf_rtp's plan (what rotates, chunk and piece sizes), transformers' tp_plan, and,
+by running one forward on meta tensors, the bytes autograd saves for backward.
+
+Each strategy's peak is the larger of two moments of a training step:
+  backward: parameters and optimizer state, the saved activations, and the gradient of the logits
+            (plus what the strategy keeps unsharded);
+  optimizer step: parameters, gradients and optimizer state, plus two temporaries the size of the
+            largest local parameter (AdamW's per-tensor arithmetic);
+plus `RUNTIME_BYTES` for what a step holds beyond tensors. The terms and constants were checked
+against `hf-rtp bench` on the 90M Llama preset at 1, 2 and 4 ranks (see the README); they are an
+estimate, not a bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+RUNTIME_BYTES = 35e6  # allocator slack, autograd graph, index tensors: measured beside the tensors on CPU
+STRATEGIES = ("single", "ddp", "fsdp2", "tp", "rtp")
+
+
+def load_config(model_or_config: str):
+    """A folder or Hub id (config.json only), a path to a config.json, or a bench preset name."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from .bench.presets import PRESETS
+
+    if model_or_config in PRESETS and not os.path.exists(model_or_config):
+        return LlamaConfig(**PRESETS[model_or_config])
+    if os.path.isfile(model_or_config):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model_or_config)) or ".")
+    return AutoConfig.from_pretrained(model_or_config)
+
+
+def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def model_states_bytes(config, dtype: str | torch.dtype = "float32", optimizer: str = "adamw") -> int:
+    """Parameters + gradients + optimizer state of the whole model, on one device."""
+    model = _meta_model(config, _dtype(dtype))
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params) * _dtype(dtype).itemsize * (2 + OPTIMIZER_STATES[optimizer])
+
+
+def saved_activation_bytes(model: nn.Module, batch: int, seq: int) -> int:
+    """Bytes autograd keeps for backward in one forward of `batch` x `seq` tokens, traced on meta."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def key(t):
+        return StorageWeakRef(t.untyped_storage()).cdata
+
+    params = {key(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        k = key(t)
+        if k not in params:
+            saved[k] = max(saved.get(k, 0), t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int]:
+    """(elements this rank holds, its largest local tensor, pool slot elements) under hf_rtp's plan."""
+    from . import plans
+    from .sharding import ChunkLayout
+
+    resolution = plans.get(model.config.model_type).resolve(model)
+    by_module: dict[str, list[torch.Size]] = defaultdict(list)
+    local, largest = 0, 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name in resolution.rotated_params and world_size > 1:
+            by_module[name.rpartition(".")[0]].append(p.shape)
+            n = math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:])
+        else:
+            n = p.numel()
+        local, largest = local + n, max(largest, n)
+    piece = 0
+    for shapes in by_module.values():
+        layout = ChunkLayout(tuple(shapes), world_size)
+        piece = max(piece, layout.max_piece_numel(layout.pieces_for(piece_bytes // itemsize)))
+    return local, largest, piece
+
+
+def _tp_local(model: nn.Module, world_size: int) -> tuple[int, int]:
+    """(elements, largest local tensor) under transformers' tp_plan: planned modules' weights split N ways."""
+    import fnmatch
+
+    plan = getattr(model, "tp_plan", None) or {}
+    local, largest, seen = 0, 0, set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        module, _, leaf = name.rpartition(".")
+        style = next((s for pattern, s in plan.items() if fnmatch.fnmatch(module, pattern)), None)
+        split = style is not None and not (leaf == "bias" and style.startswith("rowwise"))
+        n = math.ceil(p.numel() / world_size) if split else p.numel()
+        local, largest = local + n, max(largest, n)
+    return local, largest
+
+
+def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: str | torch.dtype = "float32",
+             optimizer: str = "adamw", piece_bytes: int = 16 * 10**6) -> dict[str, float]:
+    """Estimated peak training bytes per rank for each strategy (`single` ignores world_size)."""
+    dtype = _dtype(dtype)
+    size = dtype.itemsize
+    k = OPTIMIZER_STATES[optimizer]
+    model = _meta_model(config, dtype)
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(p.numel() for p in params) * size
+    largest = max(p.numel() for p in params) * size
+    saved = saved_activation_bytes(model, batch, seq)
+    logits = batch * seq * config.vocab_size * size
+    n = world_size
+
+    def peak(held: float, largest_local: float, activations: float) -> float:
+        step = (2 + k) * held + 2 * largest_local
+        backward = (1 + k) * held + activations + 2 * logits
+        return max(step, backward) + RUNTIME_BYTES
+
+    layers = _decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() for p in params if id(p) not in in_layers) * size
+    layer = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0) * size
+    rtp_local, rtp_largest, piece = _rtp_local(model, n, size, piece_bytes)
+    pool = 0 if n == 1 else (1 if n == 2 else 2) * piece * size + 2 * piece * size  # weight + gradient slots
+    tp_local, tp_largest = _tp_local(model, n)
+    return {
+        "single": peak(total, largest, saved),
+        # gradient buckets: a second copy of every gradient (gradient_as_bucket_view=False)
+        "ddp": peak(total, largest, saved) + total,
+        # the root unit (embeddings, head) and one decoder layer unsharded, with their gradients
+        "fsdp2": max((2 + k) * total / n + 2 * largest / n, (2 + k) * total / n + 2 * root + 2 * layer) + RUNTIME_BYTES,
+        # every rank runs the whole batch and gathers the full logits: all of its gradients coexist with them
+        "tp": (2 + k) * tp_local * size + saved + 3 * logits + RUNTIME_BYTES,
+        "rtp": peak(rtp_local * size, rtp_largest * size, saved) + pool,
+    }
+
+
+def main(argv=None) -> dict[str, float]:
+    p = argparse.ArgumentParser(prog="hf-rtp estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a checkpoint folder, config.json, Hub id (config only) or bench preset")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    args = p.parse_args(argv)
+    if args.world_size < 1:
+        raise SystemExit("--world-size must be at least 1")
+    config = load_config(args.model)
+    result = estimate(config, args.world_size, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer)
+    states = model_states_bytes(config, args.dtype, args.optimizer)
+    print(f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
+          f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)")
+    for strategy, value in result.items():
+        print(f"  {strategy:<7} {value / 1e9:7.3f} GB per rank" + ("   (1 process)" if strategy == "single" else ""))
+    return result

@@ -1,0 +1,58 @@
+"""`hf-rtp bench` runs every strategy for real in one invocation and writes its table, JSON and chart."""
+
+import json
+import os
+import subprocess
+import sys
+
+STRATEGIES = ["single", "ddp", "fsdp2", "tp", "rtp"]
+
+
+def test_bench_runs_every_strategy_side_by_side(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2,4",
+           "--warmup", "1", "--steps", "2", "--output", str(out)]
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # the preset checkpoint is made under TMPDIR
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    result = json.loads((out / "results.json").read_text())
+    assert result["failed"] == []
+    rows = {(r["strategy"], r["world_size"]): r for r in result["results"]}
+    assert set(rows) == {("single", 1)} | {(s, n) for s in STRATEGIES[1:] for n in (2, 4)}
+    single = rows[("single", 1)]
+    for (strategy, n), r in rows.items():
+        assert r["peak_gb"] > 0 and r["step_s"] > 0 and r["load_s"] > 0, (strategy, n)
+        assert len(r["ranks"]) == n
+        # rank 0 trains on the same first batch in every strategy (TP on all ranks): same model, same loss
+        assert abs(r["loss_first"] - single["loss_first"]) < 1e-4, (strategy, n)
+        batches = 1 if strategy == "tp" else n
+        assert abs(r["tokens_per_s"] - batches * 2 * 128 / r["step_s"]) < 1e-6 * r["tokens_per_s"]
+        assert r["ideal_gb"] == r["ideal_gb"] and r["efficiency"] > 0  # from the single-process run
+        assert r["estimate_gb"] > 0
+    # what each rank holds: RTP about 1/N of the parameters, DDP all of them
+    for n in (2, 4):
+        assert rows[("ddp", n)]["local_param_gb"] == single["local_param_gb"]
+        assert rows[("rtp", n)]["local_param_gb"] < single["local_param_gb"] / n * 1.05
+    for s in STRATEGIES:
+        assert s in done.stdout
+    assert "rtp/ddp: memory" in done.stdout and "rtp/fsdp2" in done.stdout
+
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(str(out / "bench.png")).shape
+    assert width > 2 * height  # three panels side by side: memory, tokens/s, memory against world size
+
+
+def test_bench_refuses_bad_arguments(tmp_path):
+    bad = [
+        ["--strategies", "ddp,zero3"],
+        ["--world-sizes", "0"],
+        ["--world-sizes", "two"],
+    ]
+    for args in bad:
+        done = subprocess.run([sys.executable, "-m", "hf_rtp", "bench", "--output", str(tmp_path), *args],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, (args, done.stderr[-2000:])

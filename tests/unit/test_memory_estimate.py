@@ -1,0 +1,64 @@
+"""hf-rtp estimate works from config.json alone and its terms behave as the strategies do."""
+
+import json
+
+import pytest
+from hf_rtp import memory
+from hf_rtp.bench.presets import PRESETS
+from transformers import LlamaConfig
+
+
+@pytest.fixture
+def config_only(tmp_path):
+    """A model folder with nothing but config.json: no weights to read."""
+    LlamaConfig(**PRESETS["llama-90m"]).save_pretrained(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    return tmp_path
+
+
+def test_estimate_needs_only_the_config(config_only, capsys):
+    result = memory.main([str(config_only), "--world-size", "2"])
+    out = capsys.readouterr().out
+    assert set(result) == set(memory.STRATEGIES)
+    for strategy in memory.STRATEGIES:
+        assert strategy in out
+    # the same answer from the config.json path and from the preset name
+    assert memory.main([str(config_only / "config.json"), "--world-size", "2"]) == result
+    assert memory.main(["llama-90m", "--world-size", "2"]) == result
+
+
+def test_estimate_scales_with_world_size_and_optimizer(config_only):
+    config = memory.load_config(str(config_only))
+    states = memory.model_states_bytes(config)
+    param_bytes = states / 4  # states: fp32 parameter, gradient and two AdamW moments
+    one, two, four = (memory.estimate(config, n) for n in (1, 2, 4))
+    assert one["rtp"] == one["single"]  # world size 1 is plain PyTorch
+    assert two["ddp"] == four["ddp"] == one["ddp"]  # DDP replicates everything
+    assert two["ddp"] - two["single"] == pytest.approx(param_bytes)  # its gradient buckets
+    for strategy in ("fsdp2", "tp", "rtp"):
+        assert one[strategy] > two[strategy] > four[strategy], strategy
+    # model states shrink by 1/N: going from 2 to 4 ranks saves about states/4 for RTP
+    assert two["rtp"] - four["rtp"] == pytest.approx(states / 4, rel=0.2)
+    assert memory.estimate(config, 2, optimizer="sgd")["rtp"] < two["rtp"]
+    assert memory.estimate(config, 2, batch=8)["rtp"] > two["rtp"]  # activations of the local batch
+
+
+def test_smaller_rotation_pieces_need_less_pool(config_only):
+    config = memory.load_config(str(config_only))
+    whole = memory.estimate(config, 2, piece_bytes=10**9)["rtp"]  # the embedding's chunk in one piece
+    pieces = memory.estimate(config, 2)["rtp"]
+    chunk = 32000 // 2 * 768 * 4
+    assert whole - pieces == pytest.approx(3 * chunk, rel=0.25)  # three slots at 2 ranks, ~16 MB each now
+
+
+def test_estimate_rejects_bad_input(config_only):
+    with pytest.raises(SystemExit):
+        memory.main([str(config_only), "--world-size", "0"])
+    with pytest.raises(SystemExit):
+        memory.main([str(config_only), "--world-size", "2", "--optimizer", "lion"])
+    with pytest.raises(OSError):
+        memory.main([str(config_only / "missing"), "--world-size", "2"])
+
+
+def test_results_are_json_serialisable(config_only):
+    json.dumps(memory.estimate(memory.load_config(str(config_only)), 3))
