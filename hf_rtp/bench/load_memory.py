@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
+
+from .processes import run_ranks, vm_rss
 
 STRATEGIES = ("rtp", "tp", "plain")
 
@@ -55,66 +54,14 @@ def make_checkpoint(path: str, layers: int = 8) -> None:
     config.save_pretrained(path)
 
 
-def _vm_rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def measure(strategy: str, checkpoint: str, world_size: int, save_to: str | None = None, interval: float = 0.002) -> list[dict]:
+def measure(strategy: str, checkpoint: str, world_size: int, save_to: str | None = None) -> list[dict]:
     """Start the strategy's processes and return, per rank, its peak VmRSS and what it reported."""
     world = 1 if strategy == "plain" else world_size
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            MALLOC_MMAP_THRESHOLD_="65536",
-            OMP_NUM_THREADS="1",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_VERBOSITY="error",
-        )
-        if save_to:
-            env["HF_RTP_BENCH_SAVE_DIR"] = save_to
-        cmd = [sys.executable, "-m", "hf_rtp.bench.load_memory", "--child", strategy, "--checkpoint", checkpoint]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    peaks = [0] * world
-    running = True
-
-    def sample():
-        while running:
-            for i, p in enumerate(procs):
-                peaks[i] = max(peaks[i], _vm_rss(p.pid))
-            time.sleep(interval)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    outputs = [p.communicate() for p in procs]
-    running = False
-    sampler.join()
-    results = []
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
-            raise RuntimeError(f"{strategy} rank {rank} failed:\n{err[-3000:]}")
-        report = json.loads(out.strip().splitlines()[-1])
-        results.append({"rank": rank, "peak_rss": peaks[rank], **report})
-    return results
+    extra = {"HF_RTP_BENCH_SAVE_DIR": save_to} if save_to else None
+    reports = run_ranks("hf_rtp.bench.load_memory", ["--child", strategy, "--checkpoint", checkpoint], world, extra_env=extra)
+    for rank, report in enumerate(reports):
+        report.update(rank=rank, peak_rss=max(rss for _, rss in report.pop("rss_samples")))
+    return reports
 
 
 def child(strategy: str, checkpoint: str) -> None:
@@ -126,7 +73,7 @@ def child(strategy: str, checkpoint: str) -> None:
     import hf_rtp
 
     torch.set_num_threads(1)
-    baseline = _vm_rss(os.getpid())  # everything imported, nothing loaded: what the load adds is on top
+    baseline = vm_rss(os.getpid())  # everything imported, nothing loaded: what the load adds is on top
     start = time.perf_counter()
     if strategy == "rtp":
         model = hf_rtp.from_pretrained(checkpoint, dtype=torch.float32, device="cpu")
@@ -153,11 +100,11 @@ def child(strategy: str, checkpoint: str) -> None:
 
 def _measure_save(model, directory: str) -> dict:
     """Peak VmRSS above the pre-save level while save_pretrained gathers and writes (I/O drops the GIL)."""
-    before, peak, running = _vm_rss(os.getpid()), [0], [True]
+    before, peak, running = vm_rss(os.getpid()), [0], [True]
 
     def sample():
         while running[0]:
-            peak[0] = max(peak[0], _vm_rss(os.getpid()))
+            peak[0] = max(peak[0], vm_rss(os.getpid()))
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample, daemon=True)
