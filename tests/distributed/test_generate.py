@@ -1,0 +1,39 @@
+"""generate() on a rotated model: each rank generates for its own prompts, ranks keep stepping
+together until all are done, and each rank's greedy tokens equal vanilla generate on its prompts."""
+
+import json
+import os
+
+import pytest
+import torch
+from support.models import global_batch, make_tiny
+from support.spawn import run_on_ranks
+
+
+def _generate_like_vanilla(ckpt):
+    import hf_rtp
+    from transformers import AutoModelForCausalLM
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with open(os.path.join(ckpt, "config.json")) as f:
+        extra = {"experts_implementation": "eager"} if json.load(f)["model_type"] == "mixtral" else {}
+    # float64: greedy decoding is an argmax, and a float32 near-tie could flip on summation order alone
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, **extra)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, **extra)
+    prompts = global_batch(world, batch=2, seq=5 + rank, seed=7)[rank]  # each rank its own prompts and length
+    # Ranks want different numbers of new tokens: the ones done first must keep stepping with the others
+    settings = dict(max_new_tokens=3 + 4 * rank, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
+    expected = ref.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
+    assert out.shape == (2, 5 + rank + 3 + 4 * rank)
+    assert torch.equal(out, expected), f"rank {rank}: {out.tolist()} != {expected.tolist()}"
+    return out[:, 5 + rank :].tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+def test_generate_matches_vanilla(tmp_path, arch, world_size):
+    ckpt = make_tiny(arch, tmp_path / "ckpt")
+    generated = run_on_ranks(_generate_like_vanilla, world_size, ckpt)
+    assert len(generated) == world_size
+    assert all(len(g[0]) == 3 + 4 * rank for rank, g in enumerate(generated))
