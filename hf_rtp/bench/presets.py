@@ -8,6 +8,9 @@ PRESETS = {
     # The issue-5 setup: ~87M parameters, where the targets in the README are measured.
     "llama-90m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
                       num_attention_heads=12, num_key_value_heads=4),
+    # ~13M parameters: big enough that model states dominate, small enough for a notebook on a CPU.
+    "llama-small": dict(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4),
     # Small enough for a test to run every strategy in seconds.
     "llama-tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4),
