@@ -85,7 +85,9 @@ def saved_activation_bytes(model: nn.Module, batch: int, seq: int) -> int:
     return sum(saved.values())
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules transformers itself never splits across devices (LlamaDecoderLayer, GPT2Block, ...):
+    FSDP2's units in the bench, and the unsharded layer in its estimate."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules() if type(m).__name__ in names]
 
@@ -153,7 +155,7 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
         backward = (1 + k) * held + activations + 2 * logits
         return max(step, backward) + RUNTIME_BYTES
 
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = sum(p.numel() for p in params if id(p) not in in_layers) * size
     layer = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0) * size

@@ -18,15 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..memory import decoder_layers
 from .processes import vm_rss
 
 STRATEGIES = ("single", "ddp", "fsdp2", "tp", "rtp")
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules transformers itself never splits across devices (LlamaDecoderLayer, GPT2Block, ...)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
