@@ -58,7 +58,7 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 def model_states_bytes(config, dtype: str | torch.dtype = "float32", optimizer: str = "adamw") -> int:
     """Parameters + gradients + optimizer state of the whole model, on one device."""
     model = _meta_model(config, _dtype(dtype))
-    params = {id(p): p for p in model.parameters()}.values()
+    params = list(model.parameters())  # tied weights once: parameters() deduplicates
     return sum(p.numel() for p in params) * _dtype(dtype).itemsize * (2 + OPTIMIZER_STATES[optimizer])
 
 
@@ -95,19 +95,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int]:
     """(elements this rank holds, its largest local tensor, pool slot elements) under hf_rtp's plan."""
     from . import plans
-    from .sharding import ChunkLayout
+    from .sharding import ChunkLayout, chunk_rows
 
     resolution = plans.get(model.config.model_type).resolve(model)
     by_module: dict[str, list[torch.Size]] = defaultdict(list)
     local, largest = 0, 0
-    seen = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+    for name, p in model.named_parameters():  # tied weights once, under their first name
         if name in resolution.rotated_params and world_size > 1:
             by_module[name.rpartition(".")[0]].append(p.shape)
-            n = math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:])
+            start, end = chunk_rows(p.shape[0], world_size, 0)  # chunk 0 is the largest
+            n = (end - start) * math.prod(p.shape[1:])
         else:
             n = p.numel()
         local, largest = local + n, max(largest, n)
@@ -123,11 +120,8 @@ def _tp_local(model: nn.Module, world_size: int) -> tuple[int, int]:
     import fnmatch
 
     plan = getattr(model, "tp_plan", None) or {}
-    local, largest, seen = 0, 0, set()
+    local, largest = 0, 0
     for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
         module, _, leaf = name.rpartition(".")
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatch(module, pattern)), None)
         split = style is not None and not (leaf == "bias" and style.startswith("rowwise"))
@@ -143,7 +137,7 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     size = dtype.itemsize
     k = OPTIMIZER_STATES[optimizer]
     model = _meta_model(config, dtype)
-    params = list({id(p): p for p in model.parameters()}.values())
+    params = list(model.parameters())
     total = sum(p.numel() for p in params) * size
     largest = max(p.numel() for p in params) * size
     saved = saved_activation_bytes(model, batch, seq)

@@ -53,17 +53,15 @@ class ChunkLayout:
         lo, hi = chunk_rows(end - start, pieces, piece)
         return start + lo, start + hi
 
+    # The torch.chunk rule makes chunk 0 the largest chunk, and its piece 0 the largest piece.
     def pieces_for(self, max_numel: int) -> int:
         """How many pieces keep every chunk's pieces within `max_numel` elements (the same on every rank)."""
-        rows = max(end - start for start, end in map(self.bounds, range(self.world_size)))
-        return max(1, min(rows, math.ceil(self.max_numel() / max(1, max_numel))))
+        rows = self.bounds(0)[1]
+        per_row = sum(math.prod(shape[1:]) for shape in self.global_shapes)
+        return max(1, min(rows, math.ceil(rows / max(1, max_numel // max(1, per_row)))))
 
     def max_piece_numel(self, pieces: int) -> int:
-        return max(
-            sum(math.prod(s) for s in self.shapes_of(self.piece(j, p, pieces)))
-            for j in range(self.world_size)
-            for p in range(pieces)
-        )
+        return sum(math.prod(s) for s in self.shapes_of(self.piece(0, 0, pieces)))
 
     def max_numel(self) -> int:
-        return max(sum(math.prod(s) for s in self.shapes(j)) for j in range(self.world_size))
+        return sum(math.prod(s) for s in self.shapes(0))

@@ -82,7 +82,7 @@ def child(strategy: str, checkpoint: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **extra)
     load_s = time.perf_counter() - start
     local_bytes, checksum = 0, 0.0
-    for p in {id(p): p for p in model.parameters()}.values():
+    for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         checksum += float(local.detach().float().sum())
         local_bytes += local.numel() * local.element_size()

@@ -114,8 +114,7 @@ def main(argv=None) -> None:
     marks["train_end"] = time.time()
     if device.type == "cuda":
         marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
-    params = {id(q): q for q in model.parameters()}.values()
-    local_bytes = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in params)
+    local_bytes = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in model.parameters())
     report = dict(marks, rank=rank, world_size=world_size, step_times=times[args.warmup:],
                   step_s=statistics.median(times[args.warmup:]), losses=losses, local_param_bytes=local_bytes,
                   load_s=marks["load_end"] - marks["load_start"])

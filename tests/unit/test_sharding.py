@@ -21,3 +21,23 @@ def test_layout_bundles_weight_and_bias():
     assert layout.max_numel() == 4 * 4 + 4
     with pytest.raises(ValueError, match="share dim 0"):
         ChunkLayout((torch.Size([10, 4]), torch.Size([9])), 3)
+
+
+def test_chunk_zero_and_its_first_piece_are_the_largest():
+    """ChunkLayout sizes the pool from chunk 0's piece 0; check that against every chunk and piece."""
+    import math
+
+    import torch
+    from hf_rtp.sharding import ChunkLayout
+
+    for rows in (1, 2, 5, 10, 101):
+        for world in (1, 2, 3, 4, 7):
+            layout = ChunkLayout((torch.Size((rows, 3)), torch.Size((rows,))), world)
+            numels = [sum(math.prod(s) for s in layout.shapes(j)) for j in range(world)]
+            assert layout.max_numel() == max(numels)
+            for cap in (1, 4, 9, 1000):
+                pieces = layout.pieces_for(cap)
+                sizes = [sum(math.prod(s) for s in layout.shapes_of(layout.piece(j, p, pieces)))
+                         for j in range(world) for p in range(pieces)]
+                assert layout.max_piece_numel(pieces) == max(sizes)
+                assert max(sizes) <= max(cap, 4)  # within the cap, unless one row (4 elements) is larger
