@@ -95,9 +95,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int]:
     """(elements this rank holds, its largest local tensor, pool slot elements) under hf_rtp's plan."""
     from . import plans
+    from .plans.auto import auto_plan
     from .sharding import ChunkLayout, chunk_rows
 
-    resolution = plans.get(model.config.model_type).resolve(model)
+    model_type = model.config.model_type
+    plan = plans.get(model_type) if model_type in plans.supported() else auto_plan(model)
+    resolution = plan.resolve(model)
     by_module: dict[str, list[torch.Size]] = defaultdict(list)
     local, largest = 0, 0
     for name, p in model.named_parameters():  # tied weights once, under their first name
@@ -115,19 +118,18 @@ def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: in
     return local, largest, piece
 
 
-def _tp_local(model: nn.Module, world_size: int) -> tuple[int, int]:
-    """(elements, largest local tensor) under transformers' tp_plan: planned modules' weights split N ways."""
+def _tp_local(model: nn.Module, world_size: int) -> int:
+    """Elements a rank holds under transformers' tp_plan: planned modules' weights split N ways."""
     import fnmatch
 
     plan = getattr(model, "tp_plan", None) or {}
-    local, largest = 0, 0
+    local = 0
     for name, p in model.named_parameters():
         module, _, leaf = name.rpartition(".")
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatch(module, pattern)), None)
         split = style is not None and not (leaf == "bias" and style.startswith("rowwise"))
-        n = math.ceil(p.numel() / world_size) if split else p.numel()
-        local, largest = local + n, max(largest, n)
-    return local, largest
+        local += math.ceil(p.numel() / world_size) if split else p.numel()
+    return local
 
 
 def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: str | torch.dtype = "float32",
@@ -155,7 +157,7 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     layer = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0) * size
     rtp_local, rtp_largest, piece = _rtp_local(model, n, size, piece_bytes)
     pool = 0 if n == 1 else (1 if n == 2 else 2) * piece * size + 2 * piece * size  # weight + gradient slots
-    tp_local, tp_largest = _tp_local(model, n)
+    tp_local = _tp_local(model, n)
     return {
         "single": peak(total, largest, saved),
         # gradient buckets: a second copy of every gradient (gradient_as_bucket_view=False)

@@ -103,9 +103,9 @@ def chart(rows: list[dict], path: str, title: str) -> None:
     panels = 3 if len(sizes) > 1 else 2
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     width = 0.8 / len(sizes)
+    by = {(r["strategy"], r["world_size"]): r for r in rows}
     for k, n in enumerate(sizes):
-        picked = [next((r for r in rows if r["strategy"] == s and r["world_size"] in (n, 1) and (s == "single") == (r["world_size"] == 1)), None)
-                  for s in strategies]
+        picked = [by.get((s, 1 if s == "single" else n)) for s in strategies]  # the single run beside every N
         xs = [i + k * width for i in range(len(strategies))]
         axes[0].bar(xs, [r["peak_gb"] if r else 0 for r in picked], width, label=f"N={n}")
         axes[1].bar(xs, [r["tokens_per_s"] if r else 0 for r in picked], width, label=f"N={n}")

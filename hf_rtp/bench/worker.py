@@ -18,10 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..memory import decoder_layers
+from ..memory import STRATEGIES, decoder_layers
 from .processes import vm_rss
-
-STRATEGIES = ("single", "ddp", "fsdp2", "tp", "rtp")
 
 
 def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -62,3 +62,12 @@ def test_estimate_rejects_bad_input(config_only):
 
 def test_results_are_json_serialisable(config_only):
     json.dumps(memory.estimate(memory.load_config(str(config_only)), 3))
+
+
+def test_architecture_without_a_plan_is_estimated_with_the_automatic_plan():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    one, two = memory.estimate(config, 1), memory.estimate(config, 2)
+    assert two["rtp"] < one["rtp"] == one["single"]
