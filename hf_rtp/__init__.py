@@ -1,19 +1,36 @@
 """hf_rtp: Rotated Tensor Parallelism for Hugging Face Transformers."""
 
 from .api import from_pretrained
-from .checkpoint import CheckpointError
-from .mesh import TopologyError
-from .plans import PlanError, UnsupportedModelError
+from .checkpoint.resume import load_training_state, save_training_state
+from .errors import (
+    CheckpointError,
+    CollectiveMisuseError,
+    HfRtpError,
+    IntegrationError,
+    PlanError,
+    RotatedStateError,
+    TopologyError,
+    UnsupportedModelError,
+)
+from .state import is_rotated, state_of
 from .training import ignore_rotated_in_ddp, sync_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CollectiveMisuseError",
+    "HfRtpError",
+    "IntegrationError",
     "PlanError",
+    "RotatedStateError",
     "TopologyError",
     "UnsupportedModelError",
     "from_pretrained",
     "ignore_rotated_in_ddp",
+    "is_rotated",
+    "load_training_state",
+    "save_training_state",
+    "state_of",
     "sync_grads",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import types
 from datetime import timedelta
 
 import torch
@@ -15,13 +14,12 @@ from . import log, plans
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.keys import tie_targets, wants_for
 from .checkpoint.load import read_local
-from .checkpoint.save import parse_size, push, save_pretrained
-from .generation import generate
+from .checkpoint.save import parse_size
+from .errors import CheckpointError
 from .mesh import raise_if_any_failed, setup
-from .integrations.peft import make_peft_use_global_features
 from .plans.auto import auto_plan
 from .rotate import install
-from .training import allow_mixed_parameters
+from .state import RTPState, bind
 
 
 def from_pretrained(
@@ -53,7 +51,9 @@ def from_pretrained(
         device_mesh: a 1-D mesh over all ranks to rotate on; made for you by default.
         plan: what to rotate. Default: the plan registered for config.model_type. A Plan, the
             model_type of a registered plan, or "auto" (rotate every Linear, Conv1D and Embedding).
-        timeout: seconds (or timedelta) any collective may wait before failing; default 10 minutes.
+        timeout: seconds (or timedelta) any collective hf_rtp issues may wait before failing; default
+            HF_RTP_TIMEOUT, else 10 minutes. Calls every rank must make (forward, generate, save) fail
+            within HF_RTP_ENTRY_TIMEOUT seconds (default 60) when a rank does not make them.
         rotation_piece_size: chunks larger than this (bytes, or a string like "16MB") travel the ring
             in pieces, which bounds the rotation buffers every rank keeps (four such pieces at most).
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
@@ -61,7 +61,9 @@ def from_pretrained(
     piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
     topology = setup(device, device_mesh, timeout)
     topology.ring.piece_bytes = piece_bytes
-    directory = resolve_directory(os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only)
+    directory = resolve_directory(
+        os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only, topology.control
+    )
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
     if unused:
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
@@ -81,7 +83,7 @@ def from_pretrained(
         tensors = read_local(entries, wants, dtype, topology.device)
     except Exception as err:
         error = err
-    raise_if_any_failed(error, topology.group)  # one rank's bad read is everyone's error, not a hang later
+    raise_if_any_failed(error, topology.control, CheckpointError)  # one rank's bad read is everyone's error, not a hang later
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
@@ -90,15 +92,7 @@ def from_pretrained(
     install(model, resolution, tensors, topology)
     if os.path.exists(os.path.join(directory, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(directory)
-    model.hf_rtp_topology = topology
-    model.hf_rtp_plan = plan
-    model.hf_rtp_stored_format = stored_format  # save_pretrained writes the names it was loaded from
-    model.save_pretrained = types.MethodType(save_pretrained, model)
-    model.push_to_hub = types.MethodType(push, model)
-    model.generate = types.MethodType(generate, model)
-    if topology.world_size > 1:
-        allow_mixed_parameters()
-        make_peft_use_global_features()
+    bind(model, RTPState(topology, plan, resolution, stored_format))
     log.info(
         f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s): "
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"

@@ -7,8 +7,12 @@ ranks are done (as under DeepSpeed ZeRO-3 or FSDP). hf_rtp makes that the defaul
 
 from __future__ import annotations
 
+from .state import state_of
+
 
 def generate(model, *args, synced_gpus: bool | None = None, **kwargs):
+    topology = state_of(model).topology
+    topology.enter("generate")
     if synced_gpus is None:
-        synced_gpus = model.hf_rtp_topology.world_size > 1
+        synced_gpus = topology.world_size > 1
     return type(model).generate(model, *args, synced_gpus=synced_gpus, **kwargs)

@@ -1,24 +1,49 @@
-"""Process groups and the 1-D `rtp` device mesh, from torchrun, accelerate or a single process."""
+"""Process groups and the 1-D `rtp` device mesh, from torchrun, accelerate or a single process.
+
+hf_rtp never communicates on the world group: whoever made that (accelerate and Trainer give it
+30 minutes), every collective hf_rtp issues runs on a group of its own that carries hf_rtp's
+timeout (`timeout=` or HF_RTP_TIMEOUT, default 10 minutes). Calls every rank must make first meet
+on a small gloo group with a short timeout (HF_RTP_ENTRY_TIMEOUT, default 60 s), so a rank that
+skips one is an error within a minute on every rank that entered, never a silent wait.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
+from .errors import CLASSES, CollectiveMisuseError, HfRtpError, RotatedStateError, TopologyError
 from .ring import Ring
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-_ring_groups: dict[tuple, dist.ProcessGroup] = {}
+DEFAULT_ENTRY_TIMEOUT = timedelta(seconds=60)
+_groups: dict[tuple, dist.ProcessGroup] = {}
+
+_PICKLE_REFUSED = (
+    "refusing to pickle a rotated tensor: each rank holds other rows (and other data), so a pickled state "
+    "dict written by one rank would silently hold that rank's slice. Save weights with "
+    "model.save_pretrained(dir) on every rank, training state with hf_rtp.save_training_state(dir, model, "
+    "optimizer, ...), or train through accelerator.save_state / hf_rtp.Trainer, which hf_rtp makes collective."
+)
 
 
-class TopologyError(RuntimeError):
-    """The launch environment, the process group and the mesh disagree."""
+class RotationMesh(DeviceMesh):
+    """The mesh of rotated parameters. Every DTensor derived from one (detached copies, gradients,
+    optimizer moments) keeps this mesh, so this is where pickling them is refused: torch.save of a
+    state dict, accelerate's and Trainer's pickle-based saves."""
+
+    def __reduce_ex__(self, protocol):
+        raise RotatedStateError(_PICKLE_REFUSED)
+
+    def __deepcopy__(self, memo):
+        return self  # a handle on process groups, not data: copies of rotated tensors share it
 
 
 @dataclass
@@ -28,11 +53,48 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None
     ring: Ring
+    control: dist.ProcessGroup | None = None
+    """gloo, hf_rtp's timeout: error agreement and small objects"""
+    entry: dist.ProcessGroup | None = None
+    """gloo, the short entry timeout: where collective calls meet"""
+    entry_timeout: timedelta = DEFAULT_ENTRY_TIMEOUT
 
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The group replicated gradients and gathers use (the mesh's); None at world size 1."""
         return None if self.mesh is None else self.mesh.get_group()
+
+    def enter(self, call: str) -> None:
+        """Meet every other rank at the start of a collective `call`, or fail on every rank that came.
+
+        Fails within the entry timeout when a rank never comes, and at once when ranks arrive in
+        different calls (one saving while another runs a forward).
+        """
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(everyone, mine, group=self.entry)
+        except RuntimeError as err:
+            raise CollectiveMisuseError(
+                f"{call} is collective: every rank must call it, but rank {self.rank} waited "
+                f"{self.entry_timeout.total_seconds():g} s (HF_RTP_ENTRY_TIMEOUT) and not every rank came. "
+                f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
+                "the same number of batches."
+            ) from err
+        calls = {int(t) for t in everyone}
+        if len(calls) > 1:
+            _CALLS.setdefault(int(mine), call)
+            names = [_CALLS.get(int(t), "another hf_rtp call") for t in everyone]
+            raise CollectiveMisuseError(
+                "ranks entered different collective calls at once: "
+                + ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+                + ". Every rank must make the same calls in the same order."
+            )
+
+
+_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub")}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -47,11 +109,22 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
-    if timeout is None:
-        seconds = os.environ.get("HF_RTP_TIMEOUT")
-        return timedelta(seconds=float(seconds)) if seconds else DEFAULT_TIMEOUT
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+def as_timedelta(value: float | timedelta | None, variable: str, default: timedelta) -> timedelta:
+    """`value`, else the environment variable (seconds), else `default`; anything else is a clear error."""
+    if value is None:
+        value = os.environ.get(variable) or None
+        if value is None:
+            return default
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = float("nan")
+    if not seconds > 0:
+        raise TopologyError(f"{variable} (or timeout=) must be a positive number of seconds, e.g. 600; got {value!r}")
+    return timedelta(seconds=seconds)
 
 
 def setup(
@@ -59,13 +132,10 @@ def setup(
     device_mesh: DeviceMesh | None = None,
     timeout: float | timedelta | None = None,
 ) -> Topology:
-    """Join (or start) the process group the launcher describes and build the `rtp` mesh and ring.
-
-    Every collective hf_rtp starts waits at most `timeout` (default 10 minutes, or HF_RTP_TIMEOUT
-    seconds), so a dead rank ends in an error, never a hang.
-    """
+    """Join (or start) the process group the launcher describes and build the `rtp` mesh and ring."""
     device = resolve_device(device)
-    timeout = _as_timedelta(timeout)
+    timeout = as_timedelta(timeout, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT)
+    entry_timeout = as_timedelta(None, "HF_RTP_ENTRY_TIMEOUT", DEFAULT_ENTRY_TIMEOUT)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -93,45 +163,62 @@ def setup(
             )
     if world == 1:
         return Topology(0, 1, device, None, Ring(None))
-    mesh = device_mesh or init_device_mesh(device.type, (world,), mesh_dim_names=("rtp",))
-    return Topology(dist.get_rank(), world, device, mesh, Ring(_ring_group(mesh, timeout)))
+    ranks = tuple(device_mesh.mesh.flatten().tolist()) if device_mesh is not None else tuple(range(world))
+    backend = dist.get_backend()
+    # Four groups, made once per set of ranks (new_group is itself collective): the ring's own (I5),
+    # the mesh's collectives, and two small gloo ones for agreement and for meeting at entry.
+    ring = Ring(_group("ring", ranks, backend, timeout))
+    mesh = DeviceMesh.from_group(_group("mesh", ranks, backend, timeout), device.type, mesh_dim_names=("rtp",))
+    mesh.__class__ = RotationMesh
+    control = _group("control", ranks, "gloo", timeout)
+    entry = _group("entry", ranks, "gloo", entry_timeout)
+    return Topology(dist.get_rank(), world, device, mesh, ring, control, entry, entry_timeout)
 
 
-def _ring_group(mesh: DeviceMesh, timeout: timedelta) -> dist.ProcessGroup:
-    """A group of rotation's own (I5), made once per set of ranks: new_group is itself collective."""
-    ranks = tuple(mesh.mesh.flatten().tolist())
-    backend = dist.get_backend(mesh.get_group())
-    key = (ranks, backend, id(dist.group.WORLD))
-    if key not in _ring_groups:
-        if not _ring_groups:
-            atexit.register(_destroy_ring_groups)
-        _ring_groups[key] = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
-    return _ring_groups[key]
+def _group(role: str, ranks: tuple, backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    key = (role, ranks, backend, timeout, id(dist.group.WORLD))
+    if key not in _groups:
+        if not _groups:
+            atexit.register(_destroy_groups)
+        _groups[key] = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+    return _groups[key]
 
 
-def _destroy_ring_groups() -> None:
-    """Tear rotation's groups down while the world group still exists: left to interpreter shutdown,
+def _destroy_groups() -> None:
+    """Tear hf_rtp's groups down while the world group still exists: left to interpreter shutdown,
     a gloo group can abort the process ("terminate called without an active exception")."""
     if dist.is_initialized():
-        for group in _ring_groups.values():
+        for group in _groups.values():
             try:
                 dist.destroy_process_group(group)
             except (RuntimeError, ValueError):  # the user destroyed everything already
                 pass
-    _ring_groups.clear()
+    _groups.clear()
 
 
-def raise_if_any_failed(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
-    """Make a failure on one rank an error on every rank, instead of a hang in the next collective."""
+def raise_if_any_failed(
+    error: BaseException | None, group: dist.ProcessGroup | None = None, wrap: type[HfRtpError] = HfRtpError
+) -> None:
+    """Make a failure on one rank an error on every rank, instead of a hang in the next collective.
+
+    Every rank raises the same class, naming the rank that failed: the failing rank's own class when
+    it is an hf_rtp error, else `wrap` (the failing rank chains the original as its cause).
+    """
     if not dist.is_initialized():
         if error is not None:
             raise error
         return
-    messages: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    mine = None
     if error is not None:
-        raise error
+        name = type(error).__name__ if isinstance(error, HfRtpError) else wrap.__name__
+        mine = (name, str(error) if isinstance(error, HfRtpError) else f"{type(error).__name__}: {error}")
+    messages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, mine, group=group)
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(f"rank {rank} failed: {message}")
+    if not failed:
+        return
+    if isinstance(error, HfRtpError):
+        raise error
+    rank, (name, message) = failed[0]
+    raised = CLASSES.get(name, wrap)(f"rank {rank} failed: {message}")
+    raise raised from error

@@ -9,14 +9,14 @@ from torch.distributed.tensor import DTensor, Shard
 from .layers import LAYERS
 from .checkpoint.keys import tie_targets
 from .mesh import Topology
+from .parameters import make_rotated
 from .plans import Resolution
-from .training import ignore_rotated_in_ddp
 
 
 def _rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
     stride = torch.empty(shape, device="meta").stride()
     dtensor = DTensor.from_local(local, topology.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-    return nn.Parameter(dtensor)
+    return make_rotated(nn.Parameter(dtensor))
 
 
 def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.Tensor], topology: Topology) -> None:
@@ -49,4 +49,3 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
         for key, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[key] = buffer.to(topology.device)
-    ignore_rotated_in_ddp(model)

@@ -8,6 +8,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from .state import state_of
+
 
 def allow_mixed_parameters() -> None:
     """Let torch ops mix Shard(0) DTensors with plain tensors, treating the plain ones as replicated.
@@ -19,15 +21,19 @@ def allow_mixed_parameters() -> None:
     DTensor._op_dispatcher._allow_implicit_replication = True
 
 
-def ignore_rotated_in_ddp(module: nn.Module) -> None:
-    """Tell DDP (so accelerate and Trainer too) to leave rotated parameters alone: the ring reduces them.
+# DDP reads the ignore list from the module it wraps, through PEFT's attribute forwarding when that
+# is a PeftModel, and matches names relative to it: list the names under PEFT's prefix too.
+_WRAPPER_PREFIXES = ("", "base_model.model.")
 
-    from_pretrained does this for the model it returns; call it again on a wrapper that DDP will
-    wrap instead, such as a PEFT model, because DDP reads the list from the module it is given.
+
+def ignore_rotated_in_ddp(module: nn.Module) -> None:
+    """Tell DDP (so accelerate, Trainer and TRL too) to leave rotated parameters alone: the ring reduces them.
+
+    from_pretrained does this for the model it returns, and the list also names the parameters as a
+    PEFT model around it sees them, so wrapping a PEFT model in DDP needs no call either.
     """
-    module._ddp_params_and_buffers_to_ignore = [
-        name for name, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)
-    ]
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
+    module._ddp_params_and_buffers_to_ignore = [prefix + name for prefix in _WRAPPER_PREFIXES for name in names]
 
 
 def sync_grads(model: nn.Module) -> None:
@@ -36,9 +42,10 @@ def sync_grads(model: nn.Module) -> None:
     Rotated parameters already hold the mean (the ring reduced them). Call it after backward in a
     plain loop; under DDP or `accelerator.prepare` the wrapper does this instead, so do not call both.
     """
-    topology = getattr(_unwrap(model), "hf_rtp_topology", None)
-    if topology is None or topology.world_size == 1:
+    state = state_of(model, required=False)
+    if state is None or state.topology.world_size == 1:
         return
+    topology = state.topology
     grads = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
@@ -50,13 +57,3 @@ def sync_grads(model: nn.Module) -> None:
         for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
             g.copy_(synced)
 
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The hf_rtp model inside DDP or PEFT wrappers."""
-    seen = model
-    while not hasattr(seen, "hf_rtp_topology"):
-        inner = getattr(seen, "module", None) or getattr(seen, "base_model", None) or getattr(seen, "model", None)
-        if inner is None or inner is seen:
-            return model
-        seen = inner
-    return seen

@@ -1,5 +1,5 @@
 """Checkpoint I/O: safetensors slices in, standard Hugging Face files out."""
 
-from .safetensors_io import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["CheckpointError"]

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from ..mesh import raise_if_any_failed
 
-from .safetensors_io import CheckpointError, TensorEntry, read_header
+from ..errors import CheckpointError
+from .safetensors_io import TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -65,7 +66,7 @@ def find_weights(directory: str) -> CheckpointFiles:
     raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {directory}")
 
 
-def resolve_directory(name_or_path: str, revision=None, token=None, cache_dir=None, local_files_only=False) -> str:
+def resolve_directory(name_or_path: str, revision=None, token=None, cache_dir=None, local_files_only=False, group=None) -> str:
     """A local directory as is; a Hub id downloaded by rank 0 first, then read from the cache by all."""
     if os.path.isdir(name_or_path):
         if not os.path.exists(os.path.join(name_or_path, "config.json")):
@@ -96,5 +97,5 @@ def resolve_directory(name_or_path: str, revision=None, token=None, cache_dir=No
             path = download(local_files_only)
         except CheckpointError as err:
             error = err
-    raise_if_any_failed(error)  # the others then read what rank 0 cached
+    raise_if_any_failed(error, group, CheckpointError)  # the others then read what rank 0 cached
     return path if rank0 else download(True)

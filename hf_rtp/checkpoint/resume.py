@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..mesh import raise_if_any_failed
-from .safetensors_io import CheckpointError
+from ..errors import CheckpointError
+from ..state import state_of
 
 STATE_FILE = "training_state.json"
 
@@ -41,10 +42,10 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     partial = f"{directory}.partial"
     if rank == 0 and os.path.exists(partial):
         shutil.rmtree(partial)  # a save that was killed
-    _barrier()
+    _barrier(model)
     _, optim_sd, flat = _tensors(model, optimizer)
     dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(partial, save_distributed=True))
-    rng = _gather_rng()
+    rng = _gather_rng(_control(model))
     error = None
     if rank == 0:
         try:
@@ -61,7 +62,7 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
             os.replace(partial, directory)
         except Exception as err:
             error = err
-    raise_if_any_failed(error)
+    raise_if_any_failed(error, _control(model), CheckpointError)
 
 
 def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=None) -> dict:
@@ -90,14 +91,14 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     return state
 
 
-def _gather_rng() -> list[dict]:
+def _gather_rng(group) -> list[dict]:
     mine = {"cpu": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
         mine["cuda"] = torch.cuda.get_rng_state().tolist()
     if not dist.is_initialized():
         return [mine]
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     return everyone
 
 
@@ -108,6 +109,12 @@ def _write_json(path: str, data: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _barrier() -> None:
+def _control(model: nn.Module):
+    """hf_rtp's gloo group with hf_rtp's timeout, whoever made the world group."""
+    state = state_of(model, required=False)
+    return None if state is None else state.topology.control
+
+
+def _barrier(model: nn.Module) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_control(model))

@@ -18,6 +18,8 @@ from typing import Iterable
 
 import torch
 
+from ..errors import CheckpointError
+
 DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -34,10 +36,6 @@ DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or disagrees with its config."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..log import info, progress, warning
 from ..mesh import Topology, raise_if_any_failed
 from ..sharding import ChunkLayout
+from ..state import state_of
 from .files import INDEX_NAME, SINGLE_NAME
 from .formats import source_for
 from .keys import tie_targets
@@ -80,7 +81,7 @@ class _Stored:
 
 def _stored_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, _Stored]:
     """The checkpoint's tensors by stored name, in the format the model was loaded from."""
-    stored_format = getattr(model, "hf_rtp_stored_format", ())
+    stored_format = state_of(model).stored_format
     out = {}
     for name, tensor in tensors.items():
         for stored_name, shape, rows, cols in source_for(name, tensor.shape, stored_format).stored_parts(tensor.shape):
@@ -124,8 +125,12 @@ def save_pretrained(
     """Write a standard Hugging Face checkpoint. Collective: every rank calls it; rank 0 writes.
 
     `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always rank 0
-    of the rotation mesh, because every rank must take part in gathering the rotated tensors.
+    of the rotation mesh, because every rank must take part in gathering the rotated tensors. Called
+    on some ranks only (`if accelerator.is_main_process:`), it fails on them within the entry
+    timeout with a CollectiveMisuseError instead of waiting.
     """
+    topology: Topology = state_of(model).topology
+    topology.enter("save_pretrained")
     if not safe_serialization:
         raise ValueError("hf_rtp writes safetensors only; drop safe_serialization=False")
     for name in _IGNORED_KWARGS:
@@ -137,7 +142,6 @@ def save_pretrained(
         return push(model, repo_id, max_shard_size=max_shard_size, save_directory=save_directory, **kwargs)
     for name in sorted(kwargs):
         warning(f"save_pretrained ignores {name}=")
-    topology: Topology = model.hf_rtp_topology
     save_directory = os.fspath(save_directory)
     if os.path.isfile(save_directory):
         raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
@@ -199,7 +203,7 @@ def save_pretrained(
         bar.close()
         if staging is not None and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
-    raise_if_any_failed(error, topology.group)
+    raise_if_any_failed(error, topology.control, CheckpointError)
 
 
 def _prepare_staging(directory: str) -> str:
@@ -257,9 +261,10 @@ def push(
     **kwargs,
 ):
     """push_to_hub: save (collectively) into a folder, then rank 0 uploads it with huggingface_hub."""
+    topology: Topology = state_of(model).topology
+    topology.enter("push_to_hub")
     for name in sorted(kwargs):
         warning(f"push_to_hub ignores {name}=")
-    topology: Topology = model.hf_rtp_topology
     folder = os.fspath(save_directory) if save_directory is not None else None
     scratch = None
     if folder is None:
@@ -273,7 +278,7 @@ def push(
                 result = upload_folder(folder, repo_id, commit_message, private, token, create_pr, revision)
             except Exception as err:
                 error = err
-        raise_if_any_failed(error, topology.group)
+        raise_if_any_failed(error, topology.control, CheckpointError)
         return result
     finally:
         if scratch is not None:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from .base import Plan, PlanError, Resolution
+from ..errors import PlanError, UnsupportedModelError
+from .base import Plan, Resolution
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .mixtral import MIXTRAL
 
 _REGISTRY: dict[str, Plan] = {"llama": LLAMA, "gpt2": GPT2, "mixtral": MIXTRAL}
-
-
-class UnsupportedModelError(PlanError):
-    """No plan is registered for this model_type."""
 
 
 def supported() -> list[str]:

@@ -13,11 +13,8 @@ from typing import Mapping
 
 from torch import nn
 
+from ..errors import PlanError
 from ..layers import LAYERS
-
-
-class PlanError(ValueError):
-    """A plan does not fit the model it is applied to."""
 
 
 @dataclass(frozen=True)

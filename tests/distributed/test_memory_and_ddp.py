@@ -74,7 +74,7 @@ def _count_live_chunks(ckpt, out, piece_size):
 
     rank, world = _rank_world()
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rotation_piece_size=piece_size).train()
-    ring = model.hf_rtp_topology.ring
+    ring = hf_rtp.state_of(model).topology.ring
 
     # Spy on what each rotated op's compute step receives: which foreign chunks it ever holds.
     foreign_per_op, walk = [], ring.forward_walk

@@ -41,7 +41,7 @@ def _load_registered(ckpt):
     batch = global_batch(2)[rank]
     torch.testing.assert_close(model(input_ids=batch).logits, ref(input_ids=batch).logits, atol=1e-5, rtol=1e-5)
     q = model.model.layers[0].self_attn.q_proj
-    return model.hf_rtp_plan.name, isinstance(q.weight, DTensor), isinstance(q.bias, DTensor), q.weight.to_local().shape[0]
+    return hf_rtp.state_of(model).plan.name, isinstance(q.weight, DTensor), isinstance(q.bias, DTensor), q.weight.to_local().shape[0]
 
 
 def test_registered_user_plan_is_used_for_its_model_type(tmp_path):

@@ -1,0 +1,43 @@
+"""Every exception hf_rtp raises on purpose. A failure on one rank is raised as the same class on
+every rank (see mesh.raise_if_any_failed), so `except hf_rtp.CheckpointError` works alike everywhere."""
+
+from __future__ import annotations
+
+
+class HfRtpError(RuntimeError):
+    """Base class of hf_rtp's errors."""
+
+
+class CheckpointError(HfRtpError, ValueError):
+    """A checkpoint is missing, unreadable, or disagrees with its config."""
+
+
+class PlanError(HfRtpError, ValueError):
+    """A plan does not fit the model it is applied to."""
+
+
+class UnsupportedModelError(PlanError):
+    """No plan is registered for this model_type."""
+
+
+class TopologyError(HfRtpError):
+    """The launch environment, the process group, the mesh or the accelerator disagree."""
+
+
+class CollectiveMisuseError(HfRtpError):
+    """A call every rank must make (forward, generate, save) was not made by every rank."""
+
+
+class RotatedStateError(HfRtpError):
+    """A path would treat rotated parameters as ordinary SPMD DTensors: every rank holds other data,
+    so a rank-0 slice, a pickled shard or a slice-only gradient would be silently wrong."""
+
+
+class IntegrationError(HfRtpError):
+    """accelerate, Trainer, TRL or PEFT are used in a way hf_rtp cannot make data-parallel correct."""
+
+
+CLASSES = {cls.__name__: cls for cls in (
+    HfRtpError, CheckpointError, PlanError, UnsupportedModelError, TopologyError,
+    CollectiveMisuseError, RotatedStateError, IntegrationError,
+)}

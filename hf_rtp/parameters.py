@@ -1,0 +1,65 @@
+"""Rotated parameters: Shard(0) DTensors with data-parallel semantics.
+
+DTensor's autograd assumes SPMD, every rank computing on the same data: the backward of
+`full_tensor()` (a redistribute to Replicate) merely slices the incoming gradient, so a rank's
+chunk would receive only its own batch's gradient. Under RTP each rank has its own batch, so the
+gradient of a gathered rotated weight must be the mean over ranks, as DDP's is. This class gives
+`full_tensor()` exactly that backward (sum over ranks, then this rank's rows, divided by N) and
+refuses the other redistributions under autograd, where there is no data-parallel answer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from .errors import RotatedStateError
+from .sharding import chunk_rows
+
+
+class _DataParallelGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param: DTensor) -> torch.Tensor:
+        ctx.mesh, ctx.shape, ctx.stride = param.device_mesh, param.shape, param.stride()
+        return DTensor.full_tensor(param.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mesh = ctx.mesh
+        group = mesh.get_group()
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)  # the sum over every rank's batch
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        start, end = chunk_rows(ctx.shape[0], world, rank)
+        local = grad[start:end].div_(world)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=ctx.shape, stride=ctx.stride)
+
+
+class RotatedParameter(DTensor):
+    """The class of a rotated model's rotated parameters (an nn.Parameter like any other)."""
+
+    __slots__ = ()
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The whole tensor on every rank (collective). Under autograd its gradient reaches each
+        rank's chunk as the mean over all ranks' batches, as DDP's would."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            if grad_placements is not None:
+                raise RotatedStateError("full_tensor(grad_placements=...) is not supported on a rotated parameter")
+            return _DataParallelGather.apply(self)
+        return DTensor.full_tensor(self.detach())
+
+    def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
+        if torch.is_grad_enabled() and self.requires_grad:
+            raise RotatedStateError(
+                "redistribute() on a rotated parameter under autograd would give each rank the gradient of its own "
+                "batch only (DTensor assumes every rank has the same data). Use param.full_tensor(), whose gradient "
+                "hf_rtp averages over ranks like DDP, or call it under torch.no_grad()."
+            )
+        return DTensor.redistribute(self.detach(), device_mesh, placements, **kwargs)
+
+
+def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    param.__class__ = RotatedParameter  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
+    return param

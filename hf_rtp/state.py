@@ -1,0 +1,70 @@
+"""The one object a rotated model carries, the one `bind` that attaches it, and `state_of` to read it.
+
+Everything hf_rtp changes on a loaded model happens in `bind`: the state, the collective
+save/push/generate, the guard that makes ranks meet at each forward, and the process-wide
+switches a rotated model needs (listed there, with why).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .errors import HfRtpError
+from .mesh import Topology
+from .plans import Plan, Resolution
+
+_ATTRIBUTE = "_hf_rtp_state"
+
+
+@dataclass
+class RTPState:
+    topology: Topology
+    plan: Plan
+    resolution: Resolution
+    stored_format: tuple = ()
+    """the names the checkpoint stored, so that saving writes them back"""
+    integrations: set = field(default_factory=set)
+    """integrations already attached (accelerate hooks per Accelerator, ...)"""
+
+
+def bind(model: nn.Module, state: RTPState) -> nn.Module:
+    from .checkpoint.save import push, save_pretrained
+    from .generation import generate
+    from .integrations.peft import make_peft_use_global_features
+    from .training import allow_mixed_parameters, ignore_rotated_in_ddp
+
+    object.__setattr__(model, _ATTRIBUTE, state)  # not a submodule, not in state_dict
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.push_to_hub = types.MethodType(push, model)
+    model.generate = types.MethodType(generate, model)
+    ignore_rotated_in_ddp(model)
+    if state.topology.world_size > 1:
+        # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
+        # skips the model's hooks, but every causal LM calls its backbone as a module.
+        backbone = getattr(model, "base_model", None) or model
+        backbone.register_forward_pre_hook(lambda module, args: state.topology.enter("forward"))
+        allow_mixed_parameters()  # process-wide: clip_grad_norm_ over rotated and replicated grads
+        make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
+    return model
+
+
+def state_of(model: nn.Module, required: bool = True) -> RTPState | None:
+    """The state of the rotated model inside `model` (itself, or under DDP, PEFT, accelerate wrappers)."""
+    seen, visited = model, set()
+    while seen is not None and id(seen) not in visited:
+        state = getattr(seen, "__dict__", {}).get(_ATTRIBUTE)
+        if state is not None:
+            return state
+        visited.add(id(seen))
+        children = getattr(seen, "_modules", {})
+        seen = next((children[k] for k in ("module", "base_model", "model", "_orig_mod") if children.get(k) is not None), None)
+    if required:
+        raise HfRtpError(f"{type(model).__name__} holds no model loaded with hf_rtp.from_pretrained")
+    return None
+
+
+def is_rotated(model: nn.Module) -> bool:
+    return state_of(model, required=False) is not None
