@@ -63,3 +63,14 @@ class RotatedParameter(DTensor):
 def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
     param.__class__ = RotatedParameter  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
     return param
+
+
+def keep_rotated(module: torch.nn.Module) -> None:
+    """Mark again what `module.to()` / `.float()` unmarked: nn.Module._apply swaps a DTensor parameter
+    with a plain DTensor copy (torch.utils.swap_tensors swaps the class too). Without this a Trainer's
+    `model.to(device)` would silently restore DTensor's SPMD gradient for full_tensor()."""
+    from .mesh import RotationMesh
+
+    for param in module.parameters():
+        if type(param) is DTensor and isinstance(param.device_mesh, RotationMesh):
+            make_rotated(param)

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import CollectiveMisuseError
 from .sharding import ChunkLayout
 
 Bundle = Sequence[torch.Tensor]
@@ -76,8 +77,15 @@ class _Pending:
         self._works = works
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as err:  # gloo/NCCL say "timed out" or "connection closed", never why
+            raise CollectiveMisuseError(
+                "a rotated layer waited for its ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT) or lost it: "
+                "some rank stopped, crashed, or skipped a forward or backward that every rank must run "
+                f"({type(err).__name__}: {err})"
+            ) from err
 
 
 class Ring:
@@ -226,7 +234,7 @@ class Ring:
             first = layout.bounds(self.rank)[0]
             for lo, hi in pieces(self.rank):
                 piece = own[lo - first : hi - first].contiguous()
-                dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG).wait()
+                _Pending([dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG)]).wait()
             return
 
         for lo, hi in pieces(0):
@@ -241,7 +249,7 @@ class Ring:
         incoming = receive(0) if foreign else None
         for k in range(len(foreign)):
             buffer, work = incoming
-            work.wait()
+            _Pending([work]).wait()
             if k + 1 < len(foreign):
                 incoming = receive(k + 1)  # into the other slot, while the caller writes this one
             yield buffer

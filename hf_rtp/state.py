@@ -33,7 +33,10 @@ class RTPState:
 def bind(model: nn.Module, state: RTPState) -> nn.Module:
     from .checkpoint.save import push, save_pretrained
     from .generation import generate
+    from .integrations.accelerate import check_accelerate_state
     from .integrations.peft import make_peft_use_global_features
+    from .integrations.trainer import adopt_caller
+    from .parameters import keep_rotated
     from .training import allow_mixed_parameters, ignore_rotated_in_ddp
 
     object.__setattr__(model, _ATTRIBUTE, state)  # not a submodule, not in state_dict
@@ -41,7 +44,16 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     model.push_to_hub = types.MethodType(push, model)
     model.generate = types.MethodType(generate, model)
     ignore_rotated_in_ddp(model)
+
+    def _apply(self, fn, recurse=True):  # every Trainer moves its model to a device in __init__
+        adopt_caller(self)
+        applied = type(self)._apply(self, fn, recurse)
+        keep_rotated(self)
+        return applied
+
+    model._apply = types.MethodType(_apply, model)
     if state.topology.world_size > 1:
+        check_accelerate_state(state.topology.world_size)
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
@@ -51,19 +63,26 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     return model
 
 
-def state_of(model: nn.Module, required: bool = True) -> RTPState | None:
-    """The state of the rotated model inside `model` (itself, or under DDP, PEFT, accelerate wrappers)."""
+def rotated_module(model: nn.Module) -> nn.Module | None:
+    """The model hf_rtp loaded: `model` itself, or inside DDP, PEFT, accelerate or compile wrappers."""
     seen, visited = model, set()
     while seen is not None and id(seen) not in visited:
-        state = getattr(seen, "__dict__", {}).get(_ATTRIBUTE)
-        if state is not None:
-            return state
+        if _ATTRIBUTE in getattr(seen, "__dict__", {}):
+            return seen
         visited.add(id(seen))
         children = getattr(seen, "_modules", {})
         seen = next((children[k] for k in ("module", "base_model", "model", "_orig_mod") if children.get(k) is not None), None)
-    if required:
-        raise HfRtpError(f"{type(model).__name__} holds no model loaded with hf_rtp.from_pretrained")
     return None
+
+
+def state_of(model: nn.Module, required: bool = True) -> RTPState | None:
+    """The state of the rotated model inside `model` (see rotated_module)."""
+    found = rotated_module(model)
+    if found is None:
+        if required:
+            raise HfRtpError(f"{type(model).__name__} holds no model loaded with hf_rtp.from_pretrained")
+        return None
+    return found.__dict__[_ATTRIBUTE]
 
 
 def is_rotated(model: nn.Module) -> bool:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from ..errors import CheckpointError
+from ..layers.common import local
 from ..log import progress
-from .keys import Want
-from .safetensors_io import CheckpointError, TensorEntry
+from ..mesh import raise_if_any_failed
+from .files import find_weights
+from .keys import Want, wants_for
+from .safetensors_io import TensorEntry
 
 
 def read_local(
@@ -37,3 +42,22 @@ def read_local(
             tensor = tensor.to(dtype)
         out[name] = tensor.to(device)
     return out
+
+
+def load_into(model: nn.Module, directory: str) -> None:
+    """Collective. Overwrite a rotated model's weights with those of a standard checkpoint (a Trainer's
+    best checkpoint, say), each rank reading only its rows, as from_pretrained does."""
+    from ..state import rotated_module, state_of  # state imports the checkpoint package
+
+    base, state = rotated_module(model), state_of(model)
+    topology, error, tensors = state.topology, None, {}
+    try:
+        entries = find_weights(directory).tensors()
+        wants, _ = wants_for(base, state.resolution, topology, entries, state.plan.stored_formats)
+        tensors = read_local(entries, wants, next(base.parameters()).dtype, topology.device)
+    except Exception as err:
+        error = err
+    raise_if_any_failed(error, topology.control, CheckpointError)
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            local(base.get_parameter(name)).copy_(tensor)

@@ -1,0 +1,119 @@
+"""accelerate on a rotated model: `hf_rtp.Accelerator`, a drop-in subclass of accelerate's.
+
+accelerate saves from the main process, pickling or safetensors-writing each state dict whole: on
+rotated parameters that is rank 0's rows (pickling refuses, see mesh.RotationMesh). This subclass
+keeps everything accelerate saves and loads (schedulers, RNG, dataloaders, custom objects,
+non-rotated models) and takes the rotated models and their optimizers out of its hands: every rank
+writes and reads them through torch.distributed.checkpoint in `<dir>/hf_rtp_state_<i>`, which also
+reshards to another world size. save_model writes the gathered standard checkpoint.
+
+It also defaults `cpu=True` on a machine without CUDA, where accelerate would otherwise run a
+multi-process launch undistributed, and fails clearly when accelerate's processes and the rotated
+model's ranks disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+
+import accelerate
+import torch
+
+from ..checkpoint.resume import load_training_state, save_training_state
+from ..errors import IntegrationError, TopologyError
+from ..state import rotated_module, state_of
+
+STATE_DIR = "hf_rtp_state_{}"
+
+
+def check_processes(num_processes: int, world_size: int, what: str = "accelerate") -> None:
+    if num_processes != world_size:
+        raise TopologyError(
+            f"{what} runs {num_processes} process(es) but the rotated model spans {world_size} ranks, so every rank "
+            "would train on the same batches. On a machine without CUDA build Accelerator(cpu=True) (hf_rtp.Accelerator "
+            "does), and launch with `accelerate launch --multi_gpu --num_processes N` or torchrun."
+        )
+
+
+def check_accelerate_state(world_size: int) -> None:
+    """from_pretrained after an Accelerator was built: its state must see every rank."""
+    from accelerate.state import PartialState
+
+    if world_size > 1 and PartialState._shared_state:
+        check_processes(PartialState().num_processes, world_size)
+
+
+class Accelerator(accelerate.Accelerator):
+    def __init__(self, *args, cpu: bool | None = None, **kwargs):
+        super().__init__(*args, cpu=not torch.cuda.is_available() if cpu is None else cpu, **kwargs)
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        state = state_of(model, required=False)
+        if state is not None:
+            check_processes(self.num_processes, state.topology.world_size)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+        pairs = self._rotated_pairs()
+        with self._without(pairs):
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        for i, (model, optimizer) in enumerate(pairs):
+            save_training_state(os.path.join(location, STATE_DIR.format(i)), model, optimizer.optimizer)
+        return location
+
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+        pairs = self._rotated_pairs()
+        input_dir = input_dir if input_dir is not None else self._latest_checkpoint()
+        with self._without(pairs):
+            super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        for i, (model, optimizer) in enumerate(pairs):
+            load_training_state(os.path.join(input_dir, STATE_DIR.format(i)), model, optimizer.optimizer)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
+        base = rotated_module(model)
+        if base is None:
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        if base is not self.unwrap_model(model):
+            raise IntegrationError(
+                "save_model of a PEFT model on a rotated base would write the whole base from one rank: save the "
+                "adapters with model.save_pretrained(dir) on the main process, or merge them first"
+            )
+        base.save_pretrained(save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+
+    def _rotated_pairs(self) -> list[tuple]:
+        """(unwrapped model, its AcceleratedOptimizer) for every prepared rotated model, in preparation order."""
+        pairs = []
+        for model in self._models:
+            if rotated_module(model) is None:
+                continue
+            params = {id(p) for p in model.parameters()}
+            owners = [o for o in self._optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
+            if len(owners) != 1:
+                raise IntegrationError(
+                    f"save_state/load_state need exactly one prepared optimizer per rotated model, found {len(owners)}"
+                )
+            pairs.append((self.unwrap_model(model), owners[0]))
+        return pairs
+
+    @contextmanager
+    def _without(self, pairs):
+        """Hide rotated models and their optimizers from accelerate's main-process save and load."""
+        models, optimizers = self._models, self._optimizers
+        inner = {id(o) for _, o in pairs}
+        rotated = [m for m in models if rotated_module(m) is not None]
+        self._models = [m for m in models if m not in rotated]
+        self._optimizers = [o for o in optimizers if id(o) not in inner]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def _latest_checkpoint(self) -> str:
+        """The folder accelerate's load_state picks when given none (automatic checkpoint naming)."""
+        root = os.path.join(self.project_dir, "checkpoints")
+        if not self.project_configuration.automatic_checkpoint_naming or not os.path.isdir(root):
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"[0-9]+", f)[-1]))
+        return os.path.join(root, folders[-1])
