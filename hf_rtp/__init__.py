@@ -12,12 +12,14 @@ from .errors import (
     TopologyError,
     UnsupportedModelError,
 )
+from .integrations.accelerate import Accelerator
 from .state import is_rotated, state_of
 from .training import ignore_rotated_in_ddp, sync_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accelerator",
     "CheckpointError",
     "CollectiveMisuseError",
     "HfRtpError",

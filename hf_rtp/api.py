@@ -16,6 +16,7 @@ from .checkpoint.keys import tie_targets, wants_for
 from .checkpoint.load import read_local
 from .checkpoint.save import parse_size
 from .errors import CheckpointError
+from .integrations.accelerate import check_accelerate_state
 from .mesh import raise_if_any_failed, setup
 from .plans.auto import auto_plan
 from .rotate import install
@@ -61,6 +62,7 @@ def from_pretrained(
     piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
     topology = setup(device, device_mesh, timeout)
     topology.ring.piece_bytes = piece_bytes
+    check_accelerate_state(topology.world_size)  # an Accelerator that runs undistributed: fail before loading
     directory = resolve_directory(
         os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only, topology.control
     )

@@ -22,7 +22,7 @@ class _DataParallelGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.mesh, ctx.shape, ctx.stride = param.device_mesh, param.shape, param.stride()
-        return DTensor.full_tensor(param.detach())
+        return DTensor.full_tensor(DTensor.detach(param))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -36,10 +36,18 @@ class _DataParallelGather(torch.autograd.Function):
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=ctx.shape, stride=ctx.stride)
 
 
-class RotatedParameter(DTensor):
-    """The class of a rotated model's rotated parameters (an nn.Parameter like any other)."""
+class RotatedTensor(DTensor):
+    """The class of a rotated model's rotated parameters (nn.Parameters like any other) and of their
+    detached aliases (state dicts)."""
 
     __slots__ = ()
+
+    # nn.Parameter(t) and Module._apply need detach(), copy.deepcopy needs clone(), to keep the class
+    def detach(self) -> "RotatedTensor":
+        return _marked(DTensor.detach(self))
+
+    def clone(self, *args, **kwargs) -> "RotatedTensor":
+        return _marked(DTensor.clone(self, *args, **kwargs))
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole tensor on every rank (collective). Under autograd its gradient reaches each
@@ -48,7 +56,7 @@ class RotatedParameter(DTensor):
             if grad_placements is not None:
                 raise RotatedStateError("full_tensor(grad_placements=...) is not supported on a rotated parameter")
             return _DataParallelGather.apply(self)
-        return DTensor.full_tensor(self.detach())
+        return DTensor.full_tensor(DTensor.detach(self))
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
         if torch.is_grad_enabled() and self.requires_grad:
@@ -57,12 +65,16 @@ class RotatedParameter(DTensor):
                 "batch only (DTensor assumes every rank has the same data). Use param.full_tensor(), whose gradient "
                 "hf_rtp averages over ranks like DDP, or call it under torch.no_grad()."
             )
-        return DTensor.redistribute(self.detach(), device_mesh, placements, **kwargs)
+        return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
+
+
+def _marked(tensor: DTensor) -> RotatedTensor:
+    tensor.__class__ = RotatedTensor  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
+    return tensor
 
 
 def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    param.__class__ = RotatedParameter  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
-    return param
+    return _marked(param)
 
 
 def keep_rotated(module: torch.nn.Module) -> None:

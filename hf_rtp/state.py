@@ -33,7 +33,6 @@ class RTPState:
 def bind(model: nn.Module, state: RTPState) -> nn.Module:
     from .checkpoint.save import push, save_pretrained
     from .generation import generate
-    from .integrations.accelerate import check_accelerate_state
     from .integrations.peft import make_peft_use_global_features
     from .integrations.trainer import adopt_caller
     from .parameters import keep_rotated
@@ -53,7 +52,6 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
 
     model._apply = types.MethodType(_apply, model)
     if state.topology.world_size > 1:
-        check_accelerate_state(state.topology.world_size)
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model

@@ -69,7 +69,7 @@ def _override_keeps_lm_head_whole(ckpt):
 
 def test_plan_argument_overrides_the_registry(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    assert run_on_ranks(_override_keeps_lm_head_whole, 2, ckpt) == [("Parameter", "RotatedParameter")] * 2
+    assert run_on_ranks(_override_keeps_lm_head_whole, 2, ckpt) == [("Parameter", "RotatedTensor")] * 2
 
 
 def test_auto_plan_logs_what_it_rotates(tmp_path, caplog):

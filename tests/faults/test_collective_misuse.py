@@ -1,0 +1,133 @@
+"""Calls every rank must make fail fast, on every rank that made them, when some rank does not.
+
+Each case injects the fault at a named point of the test body: which rank skips (or swaps) which
+call. HF_RTP_ENTRY_TIMEOUT is 5 s here (60 s by default) so the suite stays quick; the bound is
+asserted, so a hang or a late failure fails the test.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+from support.models import global_batch, make_tiny
+from support.spawn import run_on_ranks
+
+ENTRY = {"HF_RTP_ENTRY_TIMEOUT": "5"}
+
+
+def _only_rank0_calls(ckpt, call, out):
+    import hf_rtp
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    batch = global_batch(2)[rank]
+    outcome = None
+    if rank == 0:  # the fault: rank 1 never makes the call (`if accelerator.is_main_process:`)
+        start = time.monotonic()
+        try:
+            if call == "save_pretrained":
+                model.save_pretrained(out)
+            elif call == "push_to_hub":
+                model.push_to_hub("user/repo")
+            elif call == "generate":
+                model.generate(batch, max_new_tokens=2)
+            else:
+                model(input_ids=batch)
+        except hf_rtp.CollectiveMisuseError as err:
+            outcome = (time.monotonic() - start, str(err))
+    dist.barrier()  # rank 1 waits here for rank 0, as it would at the next step of a script
+    return outcome
+
+
+@pytest.mark.parametrize("call", ["save_pretrained", "push_to_hub", "generate", "forward"])
+def test_a_call_made_by_one_rank_fails_there_within_the_entry_timeout(tmp_path, call):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    (seconds, message), skipped = run_on_ranks(_only_rank0_calls, 2, ckpt, call, str(tmp_path / "out"), env=ENTRY)
+    assert skipped is None
+    assert 4 <= seconds < 30, seconds
+    assert f"{call} is collective: every rank must call it" in message and "HF_RTP_ENTRY_TIMEOUT" in message
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def _different_calls(ckpt):
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    batch = global_batch(2)[rank]
+    start = time.monotonic()
+    with pytest.raises(hf_rtp.CollectiveMisuseError) as caught:
+        if rank == 0:  # the fault: rank 0 samples while rank 1 runs an eval forward
+            model.generate(batch, max_new_tokens=2)
+        else:
+            model(input_ids=batch)
+    return time.monotonic() - start, str(caught.value)
+
+
+def test_ranks_in_different_calls_both_fail_at_once_naming_the_calls(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for seconds, message in run_on_ranks(_different_calls, 2, ckpt, env=ENTRY):
+        assert seconds < 4, seconds  # no waiting for the timeout: the calls are compared at entry
+        assert "rank 0: generate, rank 1: forward" in message
+
+
+def _stall_in_backward(ckpt):
+    import hf_rtp
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    accelerator = hf_rtp.Accelerator()  # accelerate makes the world group, with its own 30-minute timeout
+    assert dist.is_initialized()
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    batch = global_batch(2)[rank]
+    loss = model(input_ids=batch, labels=batch).loss
+    outcome = None
+    if rank == 0:  # the fault: rank 1 stops before backward
+        start = time.monotonic()
+        try:
+            loss.backward()
+        except hf_rtp.CollectiveMisuseError as err:
+            outcome = (time.monotonic() - start, str(err))
+    dist.barrier()
+    del accelerator
+    return outcome
+
+
+def test_hf_rtp_timeout_holds_when_accelerate_made_the_process_group(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    (seconds, message), _ = run_on_ranks(_stall_in_backward, 2, ckpt, env={"HF_RTP_TIMEOUT": "5"})
+    assert 4 <= seconds < 40, seconds
+    assert "ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT)" in message
+
+
+@pytest.mark.parametrize("variable, value", [("HF_RTP_TIMEOUT", "10m"), ("HF_RTP_ENTRY_TIMEOUT", "-1")])
+def test_a_bad_timeout_setting_is_a_clear_error(tmp_path, monkeypatch, variable, value):
+    import hf_rtp
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(hf_rtp.TopologyError, match=f"{variable} .*positive number of seconds.*{value}"):
+        hf_rtp.from_pretrained(make_tiny("llama", tmp_path / "ckpt"))
+
+
+def test_the_entry_timeout_defaults_to_a_minute(monkeypatch):
+    from hf_rtp.mesh import DEFAULT_ENTRY_TIMEOUT, as_timedelta
+
+    monkeypatch.delenv("HF_RTP_ENTRY_TIMEOUT", raising=False)
+    assert as_timedelta(None, "HF_RTP_ENTRY_TIMEOUT", DEFAULT_ENTRY_TIMEOUT).total_seconds() == 60
+
+
+def _plain_accelerator(ckpt):
+    import hf_rtp
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()  # no cpu=True on a machine without CUDA: accelerate runs undistributed
+    with pytest.raises(hf_rtp.TopologyError, match=r"accelerate runs 1 process\(es\) but the rotated model spans 2"):
+        hf_rtp.from_pretrained(ckpt)
+    return accelerator.num_processes
+
+
+def test_an_accelerator_that_runs_undistributed_is_refused(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert run_on_ranks(_plain_accelerator, 2, ckpt) == [1, 1]
