@@ -1,0 +1,130 @@
+"""accelerate: hf_rtp.Accelerator's save_state / load_state / save_model on a rotated model, against
+vanilla transformers under accelerate's DDP in the same processes; plain accelerate is refused, not wrong.
+
+The loss of each step is scaled by a random factor drawn from the global RNG, so a resume that did
+not restore every rank's RNG (or the optimizer, or the scheduler) gives other losses.
+"""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.models import global_batch, make_tiny
+from support.spawn import run_on_ranks
+
+
+def _prepare(accelerator, model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+def _steps(accelerator, model, optimizer, scheduler, steps):
+    rank, world = accelerator.process_index, accelerator.num_processes
+    losses = []
+    for step in steps:
+        batch = global_batch(world, seed=step)[rank]
+        loss = model(input_ids=batch, labels=batch).loss * (1 + torch.rand(()))
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    return losses
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
+def _round_trip(ckpt, out, reference):
+    import hf_rtp
+    from transformers import AutoModelForCausalLM
+
+    rank = int(os.environ["RANK"])
+    accelerator = hf_rtp.Accelerator()  # cpu=True by default without CUDA: a distributed launch stays distributed
+    torch.manual_seed(100 + rank)
+    vanilla = _steps(accelerator, *_prepare(accelerator, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)), range(4))
+
+    torch.manual_seed(100 + rank)
+    model, optimizer, scheduler = _prepare(accelerator, hf_rtp.from_pretrained(ckpt, dtype=torch.float64).train())
+    first = _steps(accelerator, model, optimizer, scheduler, range(2))
+    accelerator.save_state(out)
+    epoch = scheduler.scheduler.last_epoch
+    unwrapped = accelerator.unwrap_model(model)
+    saved = {f"param.{n}": _full(p) for n, p in unwrapped.named_parameters()}
+    saved |= {f"exp_avg.{n}": _full(optimizer.state[p]["exp_avg"]) for n, p in unwrapped.named_parameters()}
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in saved.items()}, reference)
+    uninterrupted = _steps(accelerator, model, optimizer, scheduler, range(2, 4))
+    accelerator.load_state(out)
+    resumed = _steps(accelerator, model, optimizer, scheduler, range(2, 4))
+
+    final = os.path.join(os.path.dirname(out), "final")
+    accelerator.save_model(model, final)  # collective, like accelerate's own call on every rank
+    weights = {n: _full(p) for n, p in accelerator.unwrap_model(model).named_parameters()}
+    accelerator.wait_for_everyone()
+    if rank == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64)
+        assert all(torch.equal(p, weights[n]) for n, p in loaded.named_parameters())  # bit-exact in vanilla
+    return vanilla, first + uninterrupted, resumed, uninterrupted, epoch
+
+
+def _resume_elsewhere(ckpt, out, reference):
+    import hf_rtp
+    from transformers import AutoModelForCausalLM
+
+    accelerator = hf_rtp.Accelerator()
+    _prepare(accelerator, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64))  # as the saving script did
+    model, optimizer, scheduler = _prepare(accelerator, hf_rtp.from_pretrained(ckpt, dtype=torch.float64).train())
+    accelerator.load_state(out)
+    expected = load_file(reference)
+    unwrapped = accelerator.unwrap_model(model)
+    for name, p in unwrapped.named_parameters():
+        assert torch.equal(_full(p), expected[f"param.{name}"]), name
+        assert torch.equal(_full(optimizer.state[p]["exp_avg"]), expected[f"exp_avg.{name}"]), name
+    epoch = scheduler.scheduler.last_epoch
+    return epoch, len(_steps(accelerator, model, optimizer, scheduler, range(2, 3)))
+
+
+def test_save_state_load_state_round_trip_exactly_and_reshard(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    out, reference = str(tmp_path / "state"), str(tmp_path / "reference.safetensors")
+    vanilla, rotated, resumed, uninterrupted, epoch = run_on_ranks(_round_trip, 2, ckpt, out, reference)[0]
+    torch.testing.assert_close(rotated, vanilla, atol=1e-9, rtol=1e-9)  # the same training as accelerate's DDP
+    assert resumed == uninterrupted  # exactly: weights, AdamW moments, scheduler and every rank's RNG
+    files = sorted(os.listdir(out))
+    # accelerate still saves what it can (the vanilla model it also prepared is model 0); the rotated one is ours
+    assert {"hf_rtp_state_0", "model.safetensors", "optimizer.bin"} <= set(files), files
+    assert not {"model_1.safetensors", "optimizer_1.bin"} & set(files), files
+    # at 3 ranks: every parameter and moment where it belongs (checked inside), the scheduler's step, and training goes on
+    assert run_on_ranks(_resume_elsewhere, 3, ckpt, out, reference) == [(epoch, 1)] * 3
+
+
+def _plain_accelerate_refuses(ckpt, out):
+    import hf_rtp
+    from accelerate import Accelerator
+
+    rank = int(os.environ["RANK"])
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, scheduler = _prepare(accelerator, hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train())
+    _steps(accelerator, model, optimizer, scheduler, range(1))
+    outcome = None
+    try:
+        accelerator.save_state(out, safe_serialization=False)  # would pickle rank 0's rows
+    except hf_rtp.RotatedStateError as err:
+        outcome = str(err)
+    accelerator.wait_for_everyone()
+    return rank, outcome
+
+
+def test_plain_accelerate_save_state_refuses_to_pickle_one_ranks_rows(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    outcomes = dict(run_on_ranks(_plain_accelerate_refuses, 2, ckpt, str(tmp_path / "state")))
+    assert "refusing to pickle a rotated tensor" in outcomes[0] and "accelerator.save_state" in outcomes[0]
+    assert outcomes[1] is None  # accelerate writes from rank 0 only; rank 1 had nothing to refuse
+    partial = tmp_path / "state" / "pytorch_model.bin"  # torch.save had opened it: what is there cannot load
+    if partial.exists():
+        with pytest.raises(Exception):
+            torch.load(partial, weights_only=True)
