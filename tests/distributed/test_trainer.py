@@ -1,0 +1,109 @@
+"""Plain transformers.Trainer on a rotated model, against the same Trainer on vanilla transformers (DDP).
+
+hf_rtp attaches to the Trainer instance that moves the model to its device; the test uses Trainer
+exactly as a script would: save_steps, save_total_limit, evaluation with load_best_model_at_end,
+resume_from_checkpoint (exact at the same world size, resharded at another), save_model.
+Float64, so "equal to vanilla" can be tight (see test_equivalence).
+"""
+
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file
+from support.models import VOCAB, make_tiny
+from support.spawn import run_on_ranks
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        self.ids = torch.randint(0, VOCAB, (n, 12), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@torch.no_grad()
+def _full(model) -> dict:
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _trainer(model, out, max_steps=6):
+    from transformers import Trainer, TrainingArguments, TrainerCallback
+
+    args = TrainingArguments(
+        output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, per_device_eval_batch_size=1, learning_rate=1e-2, logging_steps=1,
+        save_steps=2, save_total_limit=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_drop_last=True,
+    )
+
+    class Start(TrainerCallback):  # the weights training starts from, after any resume
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.weights = _full(model)
+
+    class KeepFourth(TrainerCallback):  # save_total_limit deletes checkpoint-4 later: keep a copy to resume from
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 4 and state.is_world_process_zero:
+                shutil.copytree(os.path.join(out, "checkpoint-4"), os.path.join(out, "copy-of-checkpoint-4"))
+
+    start = Start()
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 3), eval_dataset=Tokens(6, 4),
+                      callbacks=[start, KeepFourth()])
+    return trainer, start
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _train_save_resume(ckpt, out):
+    import hf_rtp
+    from transformers import AutoModelForCausalLM
+
+    rank = int(os.environ["RANK"])
+    vanilla, _ = _trainer(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"))
+    vanilla.train()
+    rotated, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"))
+    rotated.train()
+    full = _full(rotated.model)
+    for name, p in vanilla.model.named_parameters():  # both loaded the same best checkpoint at the end
+        torch.testing.assert_close(full[name], p.detach(), atol=1e-9, rtol=1e-9, msg=lambda m: f"{name}: {m}")
+    best = os.path.basename(rotated.state.best_model_checkpoint)
+    assert best == os.path.basename(vanilla.state.best_model_checkpoint)
+    kept = sorted(f for f in os.listdir(os.path.join(out, "rotated")) if f.startswith("checkpoint-"))
+
+    final = os.path.join(out, "final")
+    rotated.save_model(final)  # Trainer calls this on every rank; with hf_rtp it is collective
+    if rank == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64)
+        assert all(torch.equal(p, full[n]) for n, p in loaded.named_parameters())  # bit-exact in vanilla
+
+    resumed, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"))
+    resumed.train(resume_from_checkpoint=os.path.join(out, "rotated", "copy-of-checkpoint-4"))
+    return _losses(vanilla), _losses(rotated), _losses(resumed), kept, best
+
+
+def _resume_at_three(ckpt, out):
+    import hf_rtp
+
+    trainer, start = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "three"), max_steps=8)
+    checkpoint = os.path.join(out, "rotated", "checkpoint-6")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    saved = load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert all(torch.equal(start.weights[n], saved[n]) for n in saved)  # resharded 2 -> 3, every row in place
+    return trainer.state.global_step, len(_losses(trainer))
+
+
+def test_trainer_saves_resumes_and_loads_the_best_model_like_vanilla(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    out = str(tmp_path / "runs")
+    vanilla, rotated, resumed, kept, best = run_on_ranks(_train_save_resume, 2, ckpt, out)[0]
+    torch.testing.assert_close(rotated, vanilla, atol=1e-9, rtol=1e-9)
+    assert resumed[-2:] == rotated[-2:]  # steps 5 and 6 after resuming from checkpoint-4: exactly the same
+    # save_total_limit=2 keeps the newest and the best checkpoint, as it does in vanilla
+    assert kept == sorted({"checkpoint-6", best}), kept
+    assert sorted(os.listdir(os.path.join(out, "rotated", "checkpoint-6", "hf_rtp_state")))[-1] == "training_state.json"
+    assert run_on_ranks(_resume_at_three, 3, ckpt, out) == [(8, 2 + 6)] * 3
