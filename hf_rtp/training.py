@@ -21,19 +21,28 @@ def allow_mixed_parameters() -> None:
     DTensor._op_dispatcher._allow_implicit_replication = True
 
 
-# DDP reads the ignore list from the module it wraps, through PEFT's attribute forwarding when that
-# is a PeftModel, and matches names relative to it: list the names under PEFT's prefix too.
-_WRAPPER_PREFIXES = ("", "base_model.model.")
+class _RotatedNames:
+    """The names of `module`'s rotated parameters, listed when DDP reads them rather than when hf_rtp
+    loaded the model: PEFT renames the layers it wraps (`q_proj.weight` -> `q_proj.base_layer.weight`).
+    DDP reads the list from the module it wraps, through PEFT's attribute forwarding when that is a
+    PeftModel, and matches names relative to it: each name is also listed under PEFT's prefix."""
+
+    PREFIXES = ("", "base_model.model.")
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __iter__(self):
+        names = [n for n, p in self.module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
+        return iter([prefix + name for prefix in self.PREFIXES for name in names])
 
 
 def ignore_rotated_in_ddp(module: nn.Module) -> None:
     """Tell DDP (so accelerate, Trainer and TRL too) to leave rotated parameters alone: the ring reduces them.
 
-    from_pretrained does this for the model it returns, and the list also names the parameters as a
-    PEFT model around it sees them, so wrapping a PEFT model in DDP needs no call either.
+    from_pretrained does this for the model it returns, so a PEFT model around it needs no call either.
     """
-    names = [name for name, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
-    module._ddp_params_and_buffers_to_ignore = [prefix + name for prefix in _WRAPPER_PREFIXES for name in names]
+    module._ddp_params_and_buffers_to_ignore = _RotatedNames(module)
 
 
 def sync_grads(model: nn.Module) -> None:

@@ -23,7 +23,8 @@ def cast_for_matmul(x: torch.Tensor) -> torch.Tensor:
     """What autocast does to a matmul input; rotated Functions then run with autocast off and cast
     the weights they hold to the input's dtype, so outputs match vanilla under autocast too."""
     dtype = autocast_dtype(x)
-    return x if dtype is None or not x.is_floating_point() else x.to(dtype)
+    # autocast leaves float64 alone ("not eligible"), and so must we
+    return x if dtype is None or not x.is_floating_point() or x.dtype == torch.float64 else x.to(dtype)
 
 
 def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

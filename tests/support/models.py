@@ -80,3 +80,13 @@ def global_batch(world_size: int, batch: int = 2, seq: int = 9, seed: int = 1) -
     """[world_size, batch, seq] token ids: rank r trains on [r], the vanilla reference on all of them."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (world_size, batch, seq), generator=gen)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over VOCAB ids ('t0' .. 't100'), for trainers that want one (TRL)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=word, pad_token="t0", eos_token="t1", unk_token="t2")

@@ -1,0 +1,63 @@
+"""TRL's SFTTrainer on a rotated model, full fine-tune and with peft_config, against vanilla under DDP.
+
+TRL replaces the model's forward with a fused LM-head loss that reads `lm_head.weight` directly and
+calls `full_tensor()` on it. On a rotated head that gather's gradient must be the mean over ranks'
+batches (DTensor's own would give each rank only its batch's); the LoRA run also checks that DDP
+wraps the PEFT model without anyone calling ignore_rotated_in_ddp. Float64, every gradient compared.
+"""
+
+import os
+
+import pytest
+import torch
+from support.models import global_batch, make_tiny, tiny_tokenizer
+from support.spawn import run_on_ranks
+
+
+def _sft(model, out, lora):
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    class FirstGrads(TrainerCallback):  # after clipping, just before the first optimizer step
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 0:
+                with torch.no_grad():
+                    self.grads = {n.removeprefix("module."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                  else p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ids = global_batch(8, batch=2, seq=10, seed=5).reshape(16, 10).tolist()
+    config = SFTConfig(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+                       report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", max_length=16)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    grads = FirstGrads()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}),
+                         processing_class=tiny_tokenizer(), callbacks=[grads], peft_config=peft_config)
+    trainer.train()
+    # numpy: tensors would cross the result queue through shared memory that dies with the process
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e], {n: g.numpy() for n, g in grads.grads.items()}
+
+
+def _compare(ckpt, out, lora):
+    import hf_rtp
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    vanilla = _sft(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"), lora)
+    torch.manual_seed(0)
+    rotated = _sft(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"), lora)
+    return vanilla, rotated
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "peft"])
+def test_sft_trainer_matches_vanilla_ddp_in_losses_and_every_gradient(tmp_path, lora):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    (vanilla_losses, vanilla_grads), (losses, grads) = run_on_ranks(_compare, 2, ckpt, str(tmp_path), lora)[0]
+    assert grads.keys() == vanilla_grads.keys() and ("lm_head.weight" in grads) != lora
+    for name, grad in vanilla_grads.items():
+        torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(grad), atol=1e-9, rtol=1e-7, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(losses, vanilla_losses, atol=1e-8, rtol=1e-8)
