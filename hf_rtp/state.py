@@ -55,10 +55,19 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
-        backbone.register_forward_pre_hook(lambda module, args: state.topology.enter("forward"))
+        backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
         allow_mixed_parameters()  # process-wide: clip_grad_norm_ over rotated and replicated grads
         make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
     return model
+
+
+def _before_forward(state: RTPState) -> None:
+    from .integrations.accelerate import check_accelerate_state
+
+    # An Accelerator built after from_pretrained can still have come up undistributed: its prepare
+    # never tells us, its first forward does. A dict lookup when accelerate is not in use.
+    check_accelerate_state(state.topology.world_size)
+    state.topology.enter("forward")
 
 
 def rotated_module(model: nn.Module) -> nn.Module | None:

@@ -63,11 +63,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from accelerate import Accelerator
     from transformers import AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
 
-    # Without CUDA accelerate must be told to use the CPU, or a multi-process launch runs undistributed.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # accelerate's Accelerator, with cpu=True when there is no CUDA (else a multi-process launch
+    # runs undistributed) and save_state/load_state made collective for rotated models.
+    accelerator = hf_rtp.Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -92,8 +92,7 @@ def main(argv=None):
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear")
-        trained = get_peft_model(model, lora)
-        hf_rtp.ignore_rotated_in_ddp(trained)
+        trained = get_peft_model(model, lora)  # DDP still leaves the rotated base to the ring
     model.train()
     params = [p for p in trained.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)

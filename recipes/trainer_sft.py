@@ -3,11 +3,11 @@
     accelerate launch --config_file recipes/configs/cpu.yaml recipes/trainer_sft.py
     torchrun --nproc_per_node 2 recipes/trainer_sft.py
 
+This is plain transformers.Trainer: nothing here is specific to hf_rtp but the loading call.
 Trainer wraps the model in DDP (which leaves rotated parameters to the ring) and clips gradients
-with torch's clip_grad_norm_ (which returns the global norm over rotated and replicated ones).
-What changes is saving: hf_rtp's save_pretrained is collective, so `RTPTrainer.save_model` runs it
-on every rank where Trainer would run it on the main process only. Trainer's own mid-run
-checkpoints are turned off; use recipes/finetune.py for resumable training state.
+with torch's clip_grad_norm_ (the global norm over rotated and replicated ones). hf_rtp attaches
+to the Trainer that moves its model to a device, so that save_model and the checkpoints that
+--save_steps writes are collective, and --resume_from_checkpoint restores every rank's rows.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_rtp  # noqa: E402
 from defaults import make_default  # noqa: E402
 from packing import load_texts, pack  # noqa: E402
-
-
-class RTPTrainer(Trainer):
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        output_dir = output_dir or self.args.output_dir
-        self.accelerator.unwrap_model(self.model).save_pretrained(output_dir)  # collective
-        if self.args.should_save and self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -58,6 +50,8 @@ def main(argv=None):
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save_steps", type=int, default=0, help="write output_dir/checkpoint-N every N steps")
+    p.add_argument("--resume_from_checkpoint", help="a checkpoint-N folder this recipe wrote")
     args = p.parse_args(argv)
 
     training_args = TrainingArguments(
@@ -69,7 +63,8 @@ def main(argv=None):
         warmup_steps=3,
         max_grad_norm=1.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(),
@@ -85,8 +80,8 @@ def main(argv=None):
         blocks = pack(load_texts(args.dataset or default_train), tokenizer, args.seq_len)
 
     model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=training_args.device)
-    trainer = RTPTrainer(model=model, args=training_args, train_dataset=Blocks(blocks), processing_class=tokenizer)
-    trainer.train()
+    trainer = Trainer(model=model, args=training_args, train_dataset=Blocks(blocks), processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = os.path.join(args.output_dir, "final")
     trainer.save_model(final)
 

@@ -44,7 +44,8 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
         shutil.rmtree(partial)  # a save that was killed
     _barrier(model)
     _, optim_sd, flat = _tensors(model, optimizer)
-    dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(partial, save_distributed=True))
+    writer = dcp.HuggingFaceStorageWriter(partial, save_distributed=True)
+    dcp.save(flat, storage_writer=writer, process_group=_control(model))  # hf_rtp's timeout, not the world's
     rng = _gather_rng(_control(model))
     error = None
     if rank == 0:
@@ -76,7 +77,7 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     with open(path) as f:
         state = json.load(f)
     model_sd, optim_sd, flat = _tensors(model, optimizer)
-    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory))
+    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=_control(model))
     optim_sd["param_groups"] = state.pop("param_groups")
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if scheduler is not None and state.get("scheduler") is not None:

@@ -95,7 +95,12 @@ def test_lora_with_gradient_checkpointing(default_run, tmp_path):
 def test_trainer_recipe(default_run, tmp_path):
     run([*ACCELERATE, TRAINER, "--output_dir", str(tmp_path), "--max_steps", "8",
          "--model", os.path.join(default_run, "default", "model"),
-         "--dataset", os.path.join(default_run, "default", "data", "train.jsonl")])
+         "--dataset", os.path.join(default_run, "default", "data", "train.jsonl"), "--save_steps", "4"])
+    # plain Trainer's checkpoints, made collective: the weights vanilla loads, every rank's optimizer rows
+    for step in (4, 8):
+        checkpoint = os.path.join(tmp_path, f"checkpoint-{step}")
+        assert {"model.safetensors", "hf_rtp_state", "trainer_state.json"} <= set(os.listdir(checkpoint))
+        assert not os.path.exists(os.path.join(checkpoint, "optimizer.pt"))
     with open(os.path.join(tmp_path, "summary.json")) as f:
         summary = json.load(f)
     assert summary["replicated_identical"]  # DDP averaged what the ring does not

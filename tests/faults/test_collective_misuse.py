@@ -118,16 +118,25 @@ def test_the_entry_timeout_defaults_to_a_minute(monkeypatch):
     assert as_timedelta(None, "HF_RTP_ENTRY_TIMEOUT", DEFAULT_ENTRY_TIMEOUT).total_seconds() == 60
 
 
-def _plain_accelerator(ckpt):
+def _plain_accelerator(ckpt, built_first):
     import hf_rtp
     from accelerate import Accelerator
 
-    accelerator = Accelerator()  # no cpu=True on a machine without CUDA: accelerate runs undistributed
-    with pytest.raises(hf_rtp.TopologyError, match=r"accelerate runs 1 process\(es\) but the rotated model spans 2"):
-        hf_rtp.from_pretrained(ckpt)
+    pattern = r"accelerate runs 1 process\(es\) but the rotated model spans 2 ranks.*cpu=True"
+    if built_first:  # no cpu=True on a machine without CUDA: accelerate runs undistributed
+        accelerator = Accelerator()
+        with pytest.raises(hf_rtp.TopologyError, match=pattern):
+            hf_rtp.from_pretrained(ckpt)
+    else:  # built after loading, it still comes up undistributed: the first forward says so
+        model = hf_rtp.from_pretrained(ckpt)
+        accelerator = Accelerator()
+        model = accelerator.prepare(model)
+        with pytest.raises(hf_rtp.TopologyError, match=pattern):
+            model(input_ids=global_batch(2)[0])
     return accelerator.num_processes
 
 
-def test_an_accelerator_that_runs_undistributed_is_refused(tmp_path):
+@pytest.mark.parametrize("built_first", [True, False], ids=["before-loading", "after-loading"])
+def test_an_accelerator_that_runs_undistributed_is_refused(tmp_path, built_first):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    assert run_on_ranks(_plain_accelerator, 2, ckpt) == [1, 1]
+    assert run_on_ranks(_plain_accelerator, 2, ckpt, built_first) == [1, 1]
