@@ -18,6 +18,13 @@ from .errors import RotatedStateError
 from .sharding import chunk_rows
 
 
+_WRITE_REFUSED = (
+    "refusing to write a rotated tensor as a whole tensor: this rank holds only its own rows. Save weights with "
+    "model.save_pretrained(dir) on every rank (or hf_rtp.Accelerator().save_model), training state with "
+    "hf_rtp.Accelerator().save_state or hf_rtp.save_training_state(dir, model, optimizer, ...)."
+)
+
+
 class _DataParallelGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
@@ -48,6 +55,10 @@ class RotatedTensor(DTensor):
 
     def clone(self, *args, **kwargs) -> "RotatedTensor":
         return _marked(DTensor.clone(self, *args, **kwargs))
+
+    def untyped_storage(self):
+        # what safetensors (accelerate's default save_state, save_model, save_file) reads first
+        raise RotatedStateError(_WRITE_REFUSED)
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole tensor on every rank (collective). Under autograd its gradient reaches each

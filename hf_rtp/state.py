@@ -8,7 +8,7 @@ switches a rotated model needs (listed there, with why).
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -26,8 +26,6 @@ class RTPState:
     resolution: Resolution
     stored_format: tuple = ()
     """the names the checkpoint stored, so that saving writes them back"""
-    integrations: set = field(default_factory=set)
-    """integrations already attached (accelerate hooks per Accelerator, ...)"""
 
 
 def bind(model: nn.Module, state: RTPState) -> nn.Module:

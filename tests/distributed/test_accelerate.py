@@ -110,21 +110,29 @@ def _plain_accelerate_refuses(ckpt, out):
     accelerator = Accelerator(cpu=True)
     model, optimizer, scheduler = _prepare(accelerator, hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train())
     _steps(accelerator, model, optimizer, scheduler, range(1))
-    outcome = None
-    try:
-        accelerator.save_state(out, safe_serialization=False)  # would pickle rank 0's rows
-    except hf_rtp.RotatedStateError as err:
-        outcome = str(err)
-    accelerator.wait_for_everyone()
-    return rank, outcome
+    outcomes = []
+    for safe in (False, True):  # pickle or safetensors: either would write rank 0's rows
+        try:
+            accelerator.save_state(os.path.join(out, str(safe)), safe_serialization=safe)
+            outcomes.append(None)
+        except hf_rtp.RotatedStateError as err:
+            outcomes.append(str(err))
+        accelerator.wait_for_everyone()
+    with pytest.raises(hf_rtp.RotatedStateError, match=r"hf_rtp.Accelerator\(\).save_model"):
+        accelerator.save_model(model, os.path.join(out, "model"))  # refused on every rank
+    return rank, outcomes
 
 
-def test_plain_accelerate_save_state_refuses_to_pickle_one_ranks_rows(tmp_path):
+def test_plain_accelerate_refuses_to_write_one_ranks_rows(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     outcomes = dict(run_on_ranks(_plain_accelerate_refuses, 2, ckpt, str(tmp_path / "state")))
-    assert "refusing to pickle a rotated tensor" in outcomes[0] and "accelerator.save_state" in outcomes[0]
-    assert outcomes[1] is None  # accelerate writes from rank 0 only; rank 1 had nothing to refuse
-    partial = tmp_path / "state" / "pytorch_model.bin"  # torch.save had opened it: what is there cannot load
+    pickled, safetensors = outcomes[0]
+    assert "refusing to pickle a rotated tensor" in pickled and "accelerator.save_state" in pickled
+    assert "refusing to write a rotated tensor as a whole tensor" in safetensors
+    assert outcomes[1][0] is None  # accelerate pickles on rank 0 only; rank 1 had nothing to refuse
+    assert "refusing to write a rotated tensor" in outcomes[1][1]  # its safetensors path checks on every rank
+    assert not os.path.exists(tmp_path / "state" / "True" / "model.safetensors")
+    partial = tmp_path / "state" / "False" / "pytorch_model.bin"  # torch.save had opened it: it cannot load
     if partial.exists():
         with pytest.raises(Exception):
             torch.load(partial, weights_only=True)

@@ -81,6 +81,17 @@ def _train_save_resume(ckpt, out):
         loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64)
         assert all(torch.equal(p, full[n]) for n, p in loaded.named_parameters())  # bit-exact in vanilla
 
+    rotated.hub_model_id = "someone/tiny"  # offline: push_to_hub saves collectively, then rank 0's upload fails
+    try:
+        rotated.push_to_hub()
+        pushed = None
+    except Exception as err:  # huggingface_hub's offline error, on rank 0 only
+        pushed = type(err).__name__
+    assert (pushed is not None) == (rank == 0), pushed
+    if rank == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "rotated"), dtype=torch.float64)
+        assert all(torch.equal(p, full[n]) for n, p in loaded.named_parameters())  # what it would have uploaded
+
     resumed, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"))
     resumed.train(resume_from_checkpoint=os.path.join(out, "rotated", "copy-of-checkpoint-4"))
     return _losses(vanilla), _losses(rotated), _losses(resumed), kept, best

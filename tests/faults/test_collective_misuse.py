@@ -140,3 +140,19 @@ def _plain_accelerator(ckpt, built_first):
 def test_an_accelerator_that_runs_undistributed_is_refused(tmp_path, built_first):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     assert run_on_ranks(_plain_accelerator, 2, ckpt, built_first) == [1, 1]
+
+
+def _trainer_without_use_cpu(ckpt):
+    import hf_rtp
+    from transformers import Trainer, TrainingArguments
+
+    model = hf_rtp.from_pretrained(ckpt)
+    args = TrainingArguments(output_dir=os.path.join(os.path.dirname(ckpt), "out"), report_to=[])  # no use_cpu=True
+    with pytest.raises(hf_rtp.TopologyError, match=r"Trainer runs 1 process\(es\).*use_cpu=True"):
+        Trainer(model=model, args=args)  # fails at construction, before any step trains the wrong thing
+    return args.world_size
+
+
+def test_a_trainer_that_runs_undistributed_is_refused_at_construction(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert run_on_ranks(_trainer_without_use_cpu, 2, ckpt) == [1, 1]
