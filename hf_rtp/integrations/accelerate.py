@@ -28,12 +28,14 @@ from ..state import rotated_module, state_of
 STATE_DIR = "hf_rtp_state_{}"
 
 
-def check_processes(num_processes: int, world_size: int, what: str = "accelerate") -> None:
+def check_processes(
+    num_processes: int, world_size: int, what: str = "accelerate", fix: str = "build Accelerator(cpu=True) (hf_rtp.Accelerator does)"
+) -> None:
     if num_processes != world_size:
         raise TopologyError(
             f"{what} runs {num_processes} process(es) but the rotated model spans {world_size} ranks, so every rank "
-            "would train on the same batches. On a machine without CUDA build Accelerator(cpu=True) (hf_rtp.Accelerator "
-            "does), and launch with `accelerate launch --multi_gpu --num_processes N` or torchrun."
+            f"would train on the same batches. On a machine without CUDA {fix}, and launch with "
+            "`accelerate launch --multi_gpu --num_processes N` or torchrun."
         )
 
 

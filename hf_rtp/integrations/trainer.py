@@ -25,9 +25,9 @@ import torch
 
 from ..checkpoint.load import load_into
 from ..checkpoint.resume import load_training_state, save_training_state
-from ..errors import TopologyError
 from ..log import warning
 from ..state import state_of
+from .accelerate import check_processes
 
 STATE_DIR = "hf_rtp_state"
 _REPLACED = ("save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
@@ -52,12 +52,7 @@ def adopt_caller(model) -> None:
 
 def adopt(trainer, model) -> None:
     """Make `trainer`'s saving and loading collective and data-parallel correct for rotated `model`."""
-    world = state_of(model).topology.world_size
-    if trainer.args.world_size != world:
-        raise TopologyError(
-            f"Trainer runs {trainer.args.world_size} process(es) but the rotated model spans {world} ranks: "
-            "TrainingArguments(use_cpu=True) is needed on a machine without CUDA, or accelerate runs undistributed"
-        )
+    check_processes(trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)")
     if trainer.__dict__.get("_hf_rtp_adopted"):
         return
     for name in _REPLACED:
