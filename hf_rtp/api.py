@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from . import log, plans
 from .checkpoint.files import find_weights, resolve_directory
-from .checkpoint.keys import tie_targets, wants_for
+from .checkpoint.fingerprint import agree, fingerprint
+from .checkpoint.keys import tie_targets, untie_stored_apart, wants_for
 from .checkpoint.load import read_local
 from .checkpoint.save import parse_size
 from .errors import CheckpointError
@@ -63,29 +64,37 @@ def from_pretrained(
     topology = setup(device, device_mesh, timeout)
     topology.ring.piece_bytes = piece_bytes
     check_accelerate_state(topology.world_size)  # an Accelerator that runs undistributed: fail before loading
-    directory = resolve_directory(
+    directory, commit = resolve_directory(
         os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only, topology.control
     )
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
     if unused:
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
-    dtype = _resolve_dtype(dtype, config)
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
+    entries, error = {}, None
+    try:
+        entries = find_weights(directory).tensors()
+    except Exception as err:
+        error = err
+    raise_if_any_failed(error, topology.control, CheckpointError)  # one rank's bad file is everyone's error
+    dtype = _resolve_dtype(dtype, config, entries)
+    config.dtype = dtype  # as vanilla records it
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    untie_stored_apart(model, entries, topology)
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
+    agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, resolution=resolution,
+                      piece_bytes=piece_bytes, dtype=dtype), topology.control)
 
-    error = None
+    tensors = {}
     try:
-        checkpoint = find_weights(directory)
-        entries = checkpoint.tensors()
         wants, stored_format = wants_for(model, resolution, topology, entries, plan.stored_formats)
         tensors = read_local(entries, wants, dtype, topology.device)
     except Exception as err:
         error = err
-    raise_if_any_failed(error, topology.control, CheckpointError)  # one rank's bad read is everyone's error, not a hang later
+    raise_if_any_failed(error, topology.control, CheckpointError)
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
@@ -112,11 +121,19 @@ def _choose_plan(plan, model) -> plans.Plan:
     raise TypeError(f"plan must be a Plan, a registered model_type or 'auto', got {type(plan).__name__}")
 
 
-def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
+def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
+    """As vanilla: "auto" is config.dtype, else the first floating dtype of the first weight file."""
     if dtype == "auto":
-        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(config, "dtype", None) or _stored_dtype(entries)
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype must be 'auto' or a torch dtype such as 'bfloat16', got {dtype!r}")
         dtype = getattr(torch, dtype)
     return dtype
+
+
+def _stored_dtype(entries) -> torch.dtype:
+    first = min((e.path for e in entries.values()), default=None)
+    stored = [entries[n].dtype for n in sorted(entries) if entries[n].path == first]
+    floating = [d for d in stored if d.is_floating_point and "float8" not in str(d)]
+    return (floating or stored or [torch.float32])[0]

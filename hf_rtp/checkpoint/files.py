@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -32,7 +33,7 @@ class CheckpointFiles:
         index = os.path.join(self.directory, INDEX_NAME)
         if os.path.exists(index):
             for name, filename in _read_index(index).items():
-                if name not in entries or os.path.basename(entries[name].path) != filename:
+                if name not in entries or entries[name].path != _inside(self.directory, filename, index):
                     raise CheckpointError(f"{index} lists {name} in {filename}, but that file does not hold it")
         return entries
 
@@ -40,20 +41,42 @@ class CheckpointFiles:
 def _read_index(path: str) -> dict[str, str]:
     try:
         with open(path) as f:
-            return json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+        return weight_map
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is not a valid safetensors index ({err}); download or save it again") from None
+
+
+def _inside(directory: str, name, index: str) -> str:
+    """The path of a file an index names, which must be a plain file name inside the checkpoint folder.
+
+    An index is data from the Hub: `../x`, `/etc/...` or `/dev/stdin` would make a loader read (or
+    block on) files outside the checkpoint. Hub caches link files to blobs elsewhere, so the name is
+    checked, and the file it reaches must be a regular file.
+    """
+    parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
+    if not parts or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(
+            f"{index} names {name!r} as a weight file; an index may only name files inside its own folder. "
+            "The index is damaged or was made to read other files: download or save the checkpoint again"
+        )
+    path = os.path.join(directory, *parts)
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise CheckpointError(f"{index} names {name!r}, which is not a regular file; refusing to read it")
+    return path
 
 
 def find_weights(directory: str) -> CheckpointFiles:
     index = os.path.join(directory, INDEX_NAME)
     if os.path.exists(index):
-        names = sorted(set(_read_index(index).values()))
-        missing = [n for n in names if not os.path.exists(os.path.join(directory, n))]
+        paths = sorted({_inside(directory, n, index) for n in _read_index(index).values()})
+        missing = [os.path.relpath(p, directory) for p in paths if not os.path.exists(p)]
         if missing:
             raise CheckpointError(f"{index} refers to missing file(s) {', '.join(missing)}: the download is incomplete")
-        return CheckpointFiles(directory, tuple(os.path.join(directory, n) for n in names))
-    single = os.path.join(directory, SINGLE_NAME)
+        return CheckpointFiles(directory, tuple(paths))
+    single = _inside(directory, SINGLE_NAME, directory)
     if os.path.exists(single):
         return CheckpointFiles(directory, (single,))
     pickles = sorted(os.path.basename(p) for pattern in _PICKLE_PATTERNS for p in glob.glob(os.path.join(directory, pattern)))
@@ -66,36 +89,78 @@ def find_weights(directory: str) -> CheckpointFiles:
     raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {directory}")
 
 
-def resolve_directory(name_or_path: str, revision=None, token=None, cache_dir=None, local_files_only=False, group=None) -> str:
-    """A local directory as is; a Hub id downloaded by rank 0 first, then read from the cache by all."""
-    if os.path.isdir(name_or_path):
+def resolve_directory(
+    name_or_path: str, revision=None, token=None, cache_dir=None, local_files_only=False, group=None
+) -> tuple[str, str | None]:
+    """(folder to read, commit hash or None for a local folder). Collective.
+
+    A local directory is used as is. A Hub id is resolved to one commit by global rank 0, which
+    downloads it; then the first rank of every other node downloads that same commit into its own
+    cache (nodes need not share one), and the remaining ranks read it from their node's cache. So
+    every rank reads one revision, even when caches on different nodes hold different `main`s.
+    """
+    local = os.path.isdir(name_or_path)
+    if dist.is_initialized():
+        seen: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, local, group=group)
+        if len(set(seen)) > 1:
+            raise CheckpointError(
+                f"'{name_or_path}' is a local folder on rank(s) {[r for r, x in enumerate(seen) if x]} but not on "
+                f"rank(s) {[r for r, x in enumerate(seen) if not x]}; every rank must load the same checkpoint: put "
+                "it on a filesystem every node sees, or load it by Hub id"
+            )
+    if local:
         if not os.path.exists(os.path.join(name_or_path, "config.json")):
             raise CheckpointError(f"{name_or_path} has no config.json; is it a transformers checkpoint directory?")
-        return name_or_path
+        return name_or_path, None
+    if not dist.is_initialized():
+        path = _download(name_or_path, revision, token, cache_dir, local_files_only)
+        return path, os.path.basename(path)
+    rank, node_first = dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    path, commit, error = None, None, None
+    if rank == 0:
+        path, error = _try(lambda: _download(name_or_path, revision, token, cache_dir, local_files_only))
+        commit = os.path.basename(path) if path else None
+    raise_if_any_failed(error, group, CheckpointError)
+    box = [commit]
+    dist.broadcast_object_list(box, src=0, group=group)
+    commit = box[0]
+    if rank != 0 and node_first:  # one download per node, of the commit rank 0 chose
+        path, error = _try(lambda: _download(name_or_path, commit, token, cache_dir, local_files_only, chosen=True))
+    raise_if_any_failed(error, group, CheckpointError)
+    if path is None:  # the node's first rank has it in this node's cache now
+        path, error = _try(lambda: _download(name_or_path, commit, token, cache_dir, True, chosen=True))
+    raise_if_any_failed(error, group, CheckpointError)
+    return path, commit
+
+
+def _try(step):
+    try:
+        return step(), None
+    except CheckpointError as err:
+        return None, err
+
+
+def _download(name_or_path, revision, token, cache_dir, only_cached, chosen=False) -> str:
     from huggingface_hub import snapshot_download
 
-    def download(only_cached: bool) -> str:
-        try:
-            return snapshot_download(
-                name_or_path,
-                revision=revision,
-                token=token,
-                cache_dir=cache_dir,
-                local_files_only=only_cached,
-                allow_patterns=["*.json", "*.safetensors"],
-            )
-        except Exception as err:  # huggingface_hub has many error types; the fix is the same
+    try:
+        return snapshot_download(
+            name_or_path,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=only_cached,
+            allow_patterns=["*.json", "*.safetensors"],
+        )
+    except Exception as err:  # huggingface_hub has many error types; the fix is the same
+        if chosen:
             raise CheckpointError(
-                f"'{name_or_path}' is not a local directory and could not be fetched from the Hub ({type(err).__name__}: "
-                f"{err}). Check the path or repo id, your network or HF_HUB_OFFLINE, and your token."
+                f"'{name_or_path}' at revision {revision} (the commit rank 0 resolved) is not in this rank's cache and "
+                f"could not be fetched ({type(err).__name__}). Every rank must read the same revision: share the cache "
+                "between nodes, allow downloads (unset HF_HUB_OFFLINE), or pass revision= a commit every cache holds."
             ) from err
-
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    path, error = None, None
-    if rank0:
-        try:
-            path = download(local_files_only)
-        except CheckpointError as err:
-            error = err
-    raise_if_any_failed(error, group, CheckpointError)  # the others then read what rank 0 cached
-    return path if rank0 else download(True)
+        raise CheckpointError(
+            f"'{name_or_path}' is not a local directory and could not be fetched from the Hub ({type(err).__name__}: "
+            f"{err}). Check the path or repo id, your network or HF_HUB_OFFLINE, and your token."
+        ) from err

@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..log import warning
 from ..mesh import Topology
 from ..plans import Resolution
 from ..sharding import chunk_rows
 from .formats import Source, StoredFormat, source_for
-from .safetensors_io import TensorEntry
+from .safetensors_io import TensorEntry, read_rows
 
 
 def tie_targets(model: nn.Module) -> dict[str, str]:
@@ -24,6 +26,47 @@ def tie_targets(model: nn.Module) -> dict[str, str]:
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     return {t: s for t, s in tied.items() if t in names and s in names}
+
+
+def untie_stored_apart(model: nn.Module, entries: dict[str, TensorEntry], topology: Topology) -> list[str]:
+    """Collective. Untie the ties whose two names the checkpoint stores with different values, as
+    vanilla from_pretrained does (with its warning): the config says tied, the file says otherwise,
+    and the file wins. Each rank compares only its own rows; one all-reduce makes the verdict common.
+    """
+    pairs = [(t, s) for t, s in tie_targets(model).items() if t in entries and s in entries]
+    if not pairs:
+        return []
+    differ = torch.tensor([int(not _same_rows(entries[t], entries[s], topology)) for t, s in pairs])
+    if topology.world_size > 1:
+        dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=topology.control)
+    untied = []
+    for (target, source), different in zip(pairs, differ.tolist()):
+        if not different:
+            continue
+        warning(
+            f"The tied weights mapping and config for this model specifies to tie {source} to {target}, but both "
+            "are present in the checkpoints with different values, so we will NOT tie them. You should update the "
+            "config with `tie_word_embeddings=False` to silence this warning."
+        )
+        owner, _, leaf = target.rpartition(".")
+        tied = model.get_parameter(target)
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(torch.empty_like(tied, device="meta")))
+        model.all_tied_weights_keys.pop(target)
+        untied.append(target)
+    return untied
+
+
+def _same_rows(a: TensorEntry, b: TensorEntry, topology: Topology) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    rows = chunk_rows(a.shape[0], topology.world_size, topology.rank) if a.shape else (None, None)
+    step = max(1, (64 << 20) // max(a.row_bytes, 1))  # compare in 64 MB slices: no whole copy of the head
+    start, end = rows if rows[0] is not None else (0, a.shape[0] if a.shape else 1)
+    for first in range(start, end, step):
+        last = min(end, first + step)
+        if not torch.equal(read_rows(a, first, last), read_rows(b, first, last)):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,12 @@ def read_local(
         )
     for want in wants.values():
         for name, shape in want.source.pieces:
+            if not entries[name].dtype.is_floating_point:
+                raise CheckpointError(
+                    f"{name} is stored as {entries[name].dtype} in {entries[name].path}, but it is a floating-point "
+                    "weight of the model: the file's header is damaged or the file holds quantized weights, which "
+                    "hf_rtp does not load. Download or save the checkpoint again"
+                )
             if entries[name].shape != shape:
                 raise CheckpointError(
                     f"{name} has shape {list(entries[name].shape)} in {entries[name].path}, but config.json gives "

@@ -71,8 +71,8 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         if len(prefix) < 8:
             raise _corrupt(path, f"{size} bytes, too short for a header")
         header_len = int.from_bytes(prefix, "little")
-        if header_len > min(_MAX_HEADER, size - 8):
-            raise _corrupt(path, f"header claims {header_len} bytes but the file has {size}")
+        if header_len > min(_MAX_HEADER, size - 8):  # the number would only echo the file's first bytes
+            raise _corrupt(path, f"it does not start with a safetensors header that fits its {size} bytes")
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -80,7 +80,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     if not isinstance(header, dict):
         raise _corrupt(path, "header is not a JSON object")
     data_start, data_size = 8 + header_len, size - 8 - header_len
-    entries = {}
+    entries, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -91,12 +91,27 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         except (KeyError, TypeError, ValueError):
             raise _corrupt(path, f"bad header entry for {name}: {info!r}") from None
         entry = TensorEntry(path, name, dtype, shape, data_start + begin)
-        if end - begin != entry.nbytes or begin < 0:
+        if end - begin != entry.nbytes or begin < 0 or min(shape, default=0) < 0:
             raise _corrupt(path, f"{name} has {end - begin} bytes for shape {list(shape)} {info['dtype']}")
         if end > data_size:
             raise _corrupt(path, f"{name} ends at byte {end} of the data but the file holds only {data_size}")
         entries[name] = entry
+        spans.append((begin, end, name))
+    _check_layout(path, spans, data_size)
     return entries
+
+
+def _check_layout(path: str, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """Tensors tile the data exactly, as the safetensors library requires: no two share bytes
+    (one write would change both), no gap, nothing after the last one."""
+    position, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            what = f"overlaps {previous}" if begin < position else f"leaves a gap of {begin - position} bytes"
+            raise _corrupt(path, f"{name} (bytes {begin}-{end}) {what}")
+        position, previous = end, name
+    if position != data_size:
+        raise _corrupt(path, f"{data_size - position} bytes after the last tensor")
 
 
 def read_rows(

@@ -1,3 +1,4 @@
+import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -50,7 +51,7 @@ def test_writer_refuses_out_of_order_or_short_data(tmp_path):
     "damage, message",
     [
         (lambda b: b[:4], "too short for a header"),
-        (lambda b: (10**9).to_bytes(8, "little") + b[8:], "header claims"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], "does not start with a safetensors header"),
         (lambda b: b[:-4], "ends at byte"),
     ],
 )
@@ -59,5 +60,39 @@ def test_damaged_files_are_named_errors(tmp_path, damage, message):
     save_file({"a": torch.randn(4, 4)}, path)
     data = open(path, "rb").read()
     open(path, "wb").write(damage(data))
+    with pytest.raises(CheckpointError, match=message):
+        read_header(path)
+
+
+def _rewrite_header(path, edit, extra=b""):
+    """Replace a safetensors file's header by `edit(header)`, keeping the data (plus `extra` bytes)."""
+    data = open(path, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    header = edit(json.loads(data[8 : 8 + n]))
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    open(path, "wb").write(len(encoded).to_bytes(8, "little") + encoded + data[8 + n :] + extra)
+
+
+def _shared(h):
+    h["b"]["data_offsets"] = h["a"]["data_offsets"]  # b aliases a's bytes
+    return h
+
+
+def _gap(h):
+    h["b"]["data_offsets"] = [h["b"]["data_offsets"][0] + 8, h["b"]["data_offsets"][1] + 8]
+    return h
+
+
+@pytest.mark.parametrize(
+    "edit, extra, message",
+    [(_shared, b"", "overlaps a"), (lambda h: h, b"\0" * 8, "8 bytes after the last tensor"), (_gap, b"\0" * 8, "gap of 8")],
+)
+def test_tensors_must_tile_the_data_as_safetensors_requires(tmp_path, edit, extra, message):
+    path = str(tmp_path / "d.safetensors")
+    save_file({"a": torch.zeros(2, 2), "b": torch.ones(2, 2)}, path)
+    _rewrite_header(path, edit, extra)
+    with pytest.raises(Exception):  # the reference: the safetensors library refuses each of these files
+        load_file(path)
     with pytest.raises(CheckpointError, match=message):
         read_header(path)
