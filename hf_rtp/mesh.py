@@ -213,7 +213,14 @@ def raise_if_any_failed(
         name = type(error).__name__ if isinstance(error, HfRtpError) else wrap.__name__
         mine = (name, str(error) if isinstance(error, HfRtpError) else f"{type(error).__name__}: {error}")
     messages: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, mine, group=group)
+    try:
+        dist.all_gather_object(messages, mine, group=group)
+    except RuntimeError as err:  # gloo's words for a peer that is gone or silent
+        raise wrap(
+            f"rank {dist.get_rank()} could not agree with the other ranks ({str(err).splitlines()[0][:300]}): another "
+            "rank died, was stopped, or did not reach the same call within HF_RTP_TIMEOUT. Check the other ranks' "
+            "logs; every rank must make the same hf_rtp calls"
+        ) from (error or err)
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if not failed:
         return

@@ -2,15 +2,17 @@
 written as safetensors (one file per rank, no pickle), plus a JSON file for everything else.
 
 Loading reshards: a checkpoint saved by N ranks loads on M, because DCP records each chunk's place
-in the global tensor and every rank reads the rows it now owns. A save is atomic: ranks write into
-`<dir>.partial`, and rank 0 renames it only once everything, the JSON last, is on disk.
+in the global tensor and every rank reads the rows it now owns. A save is atomic (see
+save_training_state) and a load verifies before it trusts (see load_training_state).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -18,9 +20,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .. import faults
+from ..errors import CheckpointError, HfRtpError
 from ..mesh import raise_if_any_failed
-from ..errors import CheckpointError
 from ..state import state_of
+from .atomic import recover_folder, replace_folder
+from .safetensors_io import read_header
 
 STATE_FILE = "training_state.json"
 
@@ -36,21 +41,41 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
     return model_sd, optim_sd, flat
 
 
+def _identity(model: nn.Module) -> dict:
+    state = state_of(model, required=False)
+    return {"class": type(model).__name__, "plan": state.plan.name if state is not None else None}
+
+
 def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=None, extra: dict | None = None) -> None:
-    """Collective. Write model, optimizer, scheduler, RNG and `extra` (step, data position) to `directory`."""
+    """Collective. Write model, optimizer, scheduler, RNG and `extra` (step, data position) to `directory`.
+
+    Every rank writes its chunks into `<directory>.partial`; rank 0 then records what was written
+    (each file and its size, the model class and plan) in training_state.json, last, and swaps the folder
+    in atomically (see atomic.py). A crash at any point leaves the previous checkpoint loadable.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    partial = f"{directory}.partial"
-    if rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)  # a save that was killed
-    _barrier(model)
-    _, optim_sd, flat = _tensors(model, optimizer)
-    writer = dcp.HuggingFaceStorageWriter(partial, save_distributed=True)
-    dcp.save(flat, storage_writer=writer, process_group=_control(model))  # hf_rtp's timeout, not the world's
-    rng = _gather_rng(_control(model))
+    partial, group = f"{directory}.partial", _control(model)
     error = None
     if rank == 0:
         try:
+            recover_folder(directory, _is_complete)
+            shutil.rmtree(partial, ignore_errors=True)  # a save that was killed before its commit
+        except Exception as err:
+            error = err
+    raise_if_any_failed(error, group, CheckpointError)
+    _, optim_sd, flat = _tensors(model, optimizer)
+    writer = dcp.HuggingFaceStorageWriter(partial, save_distributed=True)
+    with _named_waits("save_training_state", directory):
+        dcp.save(flat, storage_writer=writer, process_group=group)  # hf_rtp's timeout, not the world's
+        faults.point("state.write")
+        rng = _gather_rng(group)
+    if rank == 0:
+        try:
+            files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
             state = {
+                "format": 1,
+                "identity": _identity(model),
+                "files": files,
                 "param_groups": optim_sd["param_groups"],
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": rng,
@@ -58,38 +83,159 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                 **(extra or {}),
             }
             _write_json(os.path.join(partial, STATE_FILE), state)
-            if os.path.exists(directory):
-                shutil.rmtree(directory)
-            os.replace(partial, directory)
+            replace_folder(partial, directory)
         except Exception as err:
             error = err
-    raise_if_any_failed(error, _control(model), CheckpointError)
+    raise_if_any_failed(error, group, CheckpointError)
 
 
 def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=None) -> dict:
-    """Collective. Restore what save_training_state wrote, at this world size; returns its `extra`."""
+    """Collective. Restore what save_training_state wrote, at this world size; returns its `extra`.
+
+    Nothing is loaded until every rank has verified the checkpoint: its files are all there, whole
+    and as written, it covers every parameter and optimizer tensor of this model and optimizer, and
+    it was saved from the same model class and plan. Otherwise every rank raises a CheckpointError
+    naming what is wrong, and the model and optimizer are untouched.
+    """
+    group, rank = _control(model), dist.get_rank() if dist.is_initialized() else 0
+    error = None
+    if rank == 0:
+        try:
+            recover_folder(directory, _is_complete)
+        except Exception as err:
+            error = err
+    raise_if_any_failed(error, group, CheckpointError)
+    model_sd, optim_sd, flat = _tensors(model, optimizer)
+    state = None
+    try:
+        state = _read_state(directory)
+        _verify(directory, state, flat, model)
+    except Exception as err:
+        error = err
+    raise_if_any_failed(error, group, CheckpointError)
+    with _named_waits("load_training_state", directory):
+        dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
+    optim_sd["param_groups"] = state.pop("param_groups")
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = state.pop("rng")
+    for key in ("format", "identity", "files"):
+        state.pop(key, None)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if state.get("world_size") == world:  # at another world size the old per-rank streams mean nothing
+        torch.set_rng_state(torch.tensor(rng[rank]["cpu"], dtype=torch.uint8))
+        if torch.cuda.is_available() and rng[rank].get("cuda") is not None:
+            torch.cuda.set_rng_state(torch.tensor(rng[rank]["cuda"], dtype=torch.uint8))
+    return state
+
+
+def _read_state(directory: str) -> dict:
     path = os.path.join(directory, STATE_FILE)
     if not os.path.exists(path):
         raise CheckpointError(
             f"{directory} is not a complete training checkpoint (no {STATE_FILE}); a save may have been interrupted: "
             "resume from an earlier checkpoint-* folder"
         )
-    with open(path) as f:
-        state = json.load(f)
-    model_sd, optim_sd, flat = _tensors(model, optimizer)
-    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=_control(model))
-    optim_sd["param_groups"] = state.pop("param_groups")
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    rng = state.pop("rng")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if state.get("world_size") == world:  # at another world size the old per-rank streams mean nothing
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.set_rng_state(torch.tensor(rng[rank]["cpu"], dtype=torch.uint8))
-        if torch.cuda.is_available() and rng[rank].get("cuda") is not None:
-            torch.cuda.set_rng_state(torch.tensor(rng[rank]["cuda"], dtype=torch.uint8))
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if not isinstance(state, dict) or not {"param_groups", "rng"} <= set(state):
+            raise ValueError("it lacks param_groups or rng")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(
+            f"{path} is damaged ({err}); this checkpoint cannot be trusted: resume from an earlier checkpoint-* folder"
+        ) from None
     return state
+
+
+def _is_complete(folder: str) -> bool:
+    try:
+        _check_files(folder, _read_state(folder))
+        return True
+    except CheckpointError:
+        return False
+
+
+def _check_files(directory: str, state: dict) -> None:
+    """Every file the save recorded is there with the size it was written with, and nothing else."""
+    files = state.get("files")
+    if files is None:
+        return  # written before hf_rtp recorded files: the coverage check still holds
+    present = {f for f in os.listdir(directory) if f != STATE_FILE}
+    missing, extra = sorted(set(files) - present), sorted(present - set(files))
+    if missing:
+        raise CheckpointError(
+            f"{directory} is incomplete: {', '.join(missing)} missing. Every rank's file is needed to resume; "
+            "copy the whole folder again, or resume from an earlier checkpoint-* folder"
+        )
+    if extra:
+        raise CheckpointError(
+            f"{directory} holds file(s) its save did not write ({', '.join(extra)}); they would be read as part of "
+            "the checkpoint. Remove them, or resume from an earlier checkpoint-* folder"
+        )
+    for name, size in files.items():
+        path = os.path.join(directory, name)
+        if os.path.getsize(path) != size:
+            raise CheckpointError(
+                f"{path} has {os.path.getsize(path)} bytes but was saved with {size}: it is truncated or was "
+                "overwritten. Copy the folder again, or resume from an earlier checkpoint-* folder"
+            )
+        if name.endswith(".safetensors"):
+            read_header(path)
+
+
+def _verify(directory: str, state: dict, flat: dict, model: nn.Module) -> None:
+    _check_files(directory, state)
+    saved_as = state.get("identity")
+    if saved_as is not None and saved_as != _identity(model):
+        raise CheckpointError(
+            f"{directory} was saved from a {saved_as['class']} with plan '{saved_as['plan']}', but this model is a "
+            f"{_identity(model)['class']} with plan '{_identity(model)['plan']}': load the model (and plan) it was saved from"
+        )
+    try:
+        stored = dcp.HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise CheckpointError(f"cannot read the tensors of {directory} ({type(err).__name__}: {err})") from err
+    missing = sorted(set(flat) - set(stored))
+    unknown = sorted(set(stored) - set(flat))
+    if missing or unknown:
+        raise CheckpointError(
+            f"{directory} does not match this model and optimizer: "
+            + (f"it lacks {_listing(missing)}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"it holds {_listing(unknown)}, which they do not have" if unknown else "")
+            + ". A file of the checkpoint is missing, or it was saved from another model, plan or optimizer class: "
+            "copy the whole folder again, resume with what it was saved with, or from an earlier checkpoint-* folder"
+        )
+    for key, tensor in flat.items():
+        meta, shape = stored[key], tuple(tensor.shape)
+        covered = sum(math.prod(c.sizes) for c in {(tuple(c.offsets), tuple(c.sizes)): c for c in meta.chunks}.values())
+        if tuple(meta.size) != shape or covered != math.prod(shape):
+            raise CheckpointError(
+                f"{directory} holds {covered} of the {math.prod(shape)} elements of {key} (shape {list(meta.size)}, "
+                f"the model has {list(shape)}): a shard is missing or belongs to another model. Resume from an "
+                "earlier checkpoint-* folder"
+            )
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+@contextmanager
+def _named_waits(call: str, directory: str):
+    """A wait that times out inside DCP surfaces as gloo's or DCP's own words; say what it means."""
+    try:
+        yield
+    except HfRtpError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"{call}({directory}) failed on this rank: {type(err).__name__}: {str(err)[:500]}. If a timeout is "
+            "named, another rank stopped, died or did not call it within HF_RTP_TIMEOUT: every rank must call "
+            f"{call}. The previous checkpoint, if any, is untouched"
+        ) from err
 
 
 def _gather_rng(group) -> list[dict]:
@@ -114,8 +260,3 @@ def _control(model: nn.Module):
     """hf_rtp's gloo group with hf_rtp's timeout, whoever made the world group."""
     state = state_of(model, required=False)
     return None if state is None else state.topology.control
-
-
-def _barrier(model: nn.Module) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=_control(model))

@@ -49,17 +49,23 @@ def _worker(rank, world_size, port, fn, args, env, results):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 300, attempts: int = 3):
-    """fn(*args) on `world_size` processes; returns the per-rank results in rank order."""
+def run_on_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 300, attempts: int = 3,
+                 survivors: tuple[int, ...] | None = None):
+    """fn(*args) on `world_size` processes; returns the per-rank results in rank order.
+
+    With `survivors`, only those ranks are waited for (the others were killed or stopped on purpose
+    by a fault injected through HF_RTP_FAULT) and the rest are killed once they have reported.
+    """
     for attempt in range(attempts):
         try:
-            return _run_once(fn, world_size, args, env or {}, timeout)
+            return _run_once(fn, world_size, args, env or {}, timeout, survivors)
         except RuntimeError as err:
             if "address already in use" not in str(err).lower() or attempt == attempts - 1:
                 raise
 
 
-def _run_once(fn, world_size, args, env, timeout):
+def _run_once(fn, world_size, args, env, timeout, survivors=None):
+    wanted = tuple(range(world_size)) if survivors is None else survivors
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -68,17 +74,19 @@ def _run_once(fn, world_size, args, env, timeout):
         p.start()
     outcome = {}
     try:
-        for _ in range(world_size):
+        while not set(wanted) <= set(outcome):
             rank, ok, value = results.get(timeout=timeout)
             outcome[rank] = (ok, value)
     except Exception:
-        raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(outcome))} gave no result within {timeout}s")
+        raise RuntimeError(f"ranks {sorted(set(wanted) - set(outcome))} gave no result within {timeout}s")
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
+            if rank not in wanted:
+                p.kill()  # stopped (SIGSTOP) ranks never exit by themselves
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
     failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
     if failures:
         raise RuntimeError("\n".join(failures))
-    return [outcome[r][1] for r in range(world_size)]
+    return [outcome[r][1] for r in wanted]
