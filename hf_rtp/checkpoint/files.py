@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..mesh import raise_if_any_failed
 
 from ..errors import CheckpointError
+from .atomic import recover_save
 from .safetensors_io import TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -99,8 +100,14 @@ def resolve_directory(
     cache (nodes need not share one), and the remaining ranks read it from their node's cache. So
     every rank reads one revision, even when caches on different nodes hold different `main`s.
     """
-    local = os.path.isdir(name_or_path)
+    local, error = os.path.isdir(name_or_path), None
+    if local and (not dist.is_initialized() or dist.get_rank() == 0):
+        try:  # a save_pretrained that a crash interrupted mid-commit: finish it before anyone reads
+            recover_save(name_or_path)
+        except Exception as err:
+            error = err
     if dist.is_initialized():
+        raise_if_any_failed(error, group, CheckpointError)
         seen: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(seen, local, group=group)
         if len(set(seen)) > 1:
@@ -109,6 +116,8 @@ def resolve_directory(
                 f"rank(s) {[r for r, x in enumerate(seen) if not x]}; every rank must load the same checkpoint: put "
                 "it on a filesystem every node sees, or load it by Hub id"
             )
+    elif error is not None:
+        raise error
     if local:
         if not os.path.exists(os.path.join(name_or_path, "config.json")):
             raise CheckpointError(f"{name_or_path} has no config.json; is it a transformers checkpoint directory?")

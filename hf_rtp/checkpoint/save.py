@@ -3,8 +3,9 @@
 Every rank calls it. Rank 0 of the `rtp` mesh writes; rotated tensors reach it one at a time
 (its dim-0 chunks streamed from their owners), so rank 0 holds at most two foreign chunks
 beyond its own parameters, never a whole tensor, let alone the model (I7).
-Files are staged in a hidden folder and moved into place with the entry point (model.safetensors
-or its index) last: a crash mid-save never leaves a checkpoint that looks whole but is not.
+Files are staged in a hidden folder and committed as atomic.commit_save describes: at every instant
+the folder holds the complete old or the complete new checkpoint (finished by the next hf_rtp load
+or save when a crash hit the commit itself), never a mix.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import faults
 from ..log import info, progress, warning
 from ..mesh import Topology, raise_if_any_failed
 from ..sharding import ChunkLayout
 from ..state import state_of
+from .atomic import commit_save, recover_save
 from .files import INDEX_NAME, SINGLE_NAME
 from .formats import source_for
 from .keys import tie_targets
@@ -188,7 +191,7 @@ def save_pretrained(
             for name in shard:
                 parts = _pieces_on_rank0(tensors[name], topology)
                 if writer is not None:
-                    attempt(lambda: writer.write(name, parts))
+                    attempt(lambda: (faults.point("save.write"), writer.write(name, parts)))
                 for _ in parts:  # drain what a failed write left unread
                     pass
                 bar.update(1)
@@ -196,7 +199,7 @@ def save_pretrained(
                 attempt(writer.close)
         if writer_rank:
             attempt(lambda: _write_metadata(model, staging, shards, filenames, sizes))
-            attempt(lambda: _commit(staging, save_directory, filenames))
+            attempt(lambda: commit_save(staging, save_directory, filenames))
             if error is None:
                 info(f"Model weights saved in {save_directory}")
     finally:
@@ -208,7 +211,8 @@ def save_pretrained(
 
 def _prepare_staging(directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
-    for stale in os.listdir(directory):  # left by a save that was killed
+    recover_save(directory)  # a commit a crash interrupted holds the newest complete checkpoint: finish it
+    for stale in os.listdir(directory):  # what is left was killed before its commit began: the old one stands
         if stale.startswith(_STAGING_PREFIX):
             shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
     return tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=directory)
@@ -226,26 +230,6 @@ def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:
         }
         with open(os.path.join(staging, INDEX_NAME), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _commit(staging: str, directory: str, filenames: list[str]) -> None:
-    """Move staged files into place, the file that makes the checkpoint loadable last."""
-    entry = INDEX_NAME if len(filenames) > 1 else SINGLE_NAME
-    # First remove the old entry points, so that until the new one lands nothing looks loadable.
-    for old in (INDEX_NAME, SINGLE_NAME):
-        if os.path.exists(os.path.join(directory, old)):
-            os.remove(os.path.join(directory, old))
-    for old in os.listdir(directory):
-        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", old) and old not in filenames:
-            os.remove(os.path.join(directory, old))
-    staged = sorted(os.listdir(staging), key=lambda name: name == entry)
-    for name in staged:
-        os.replace(os.path.join(staging, name), os.path.join(directory, name))
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def push(
