@@ -10,7 +10,7 @@ from accelerate import init_empty_weights
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from . import log, plans
+from . import faults, log, plans
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import tie_targets, untie_stored_apart, wants_for
@@ -91,6 +91,7 @@ def from_pretrained(
     tensors = {}
     try:
         wants, stored_format = wants_for(model, resolution, topology, entries, plan.stored_formats)
+        faults.point("load.read")
         tensors = read_local(entries, wants, dtype, topology.device)
     except Exception as err:
         error = err

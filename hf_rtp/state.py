@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from . import faults
 from .errors import HfRtpError
 from .mesh import Topology
 from .plans import Plan, Resolution
@@ -65,6 +66,7 @@ def _before_forward(state: RTPState) -> None:
     # An Accelerator built after from_pretrained can still have come up undistributed: its prepare
     # never tells us, its first forward does. A dict lookup when accelerate is not in use.
     check_accelerate_state(state.topology.world_size)
+    faults.point("forward")
     state.topology.enter("forward")
 
 

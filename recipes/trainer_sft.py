@@ -71,6 +71,8 @@ def main(argv=None):
         seed=args.seed,
         ddp_find_unused_parameters=False,
         disable_tqdm=False,
+        # Trainer's own waits (barriers, DDP) use this; the default 30 minutes would outlast hf_rtp's
+        ddp_timeout=int(float(os.environ.get("HF_RTP_TIMEOUT", 600))),
     )
     with training_args.main_process_first():
         if args.model is None or args.dataset is None:

@@ -20,9 +20,11 @@ from contextlib import contextmanager
 
 import accelerate
 import torch
+from accelerate.utils import InitProcessGroupKwargs
 
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, TopologyError
+from ..mesh import DEFAULT_TIMEOUT, as_timedelta
 from ..state import rotated_module, state_of
 
 STATE_DIR = "hf_rtp_state_{}"
@@ -48,8 +50,14 @@ def check_accelerate_state(world_size: int) -> None:
 
 
 class Accelerator(accelerate.Accelerator):
-    def __init__(self, *args, cpu: bool | None = None, **kwargs):
-        super().__init__(*args, cpu=not torch.cuda.is_available() if cpu is None else cpu, **kwargs)
+    def __init__(self, *args, cpu: bool | None = None, kwargs_handlers=None, **kwargs):
+        handlers = list(kwargs_handlers or [])
+        if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            # accelerate's own waits (wait_for_everyone, DDP's all-reduce, gather) run on the world
+            # group it creates, 30 minutes by default: give them hf_rtp's timeout, so a stopped rank
+            # ends the run within HF_RTP_TIMEOUT wherever the others wait for it
+            handlers.append(InitProcessGroupKwargs(timeout=as_timedelta(None, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT)))
+        super().__init__(*args, cpu=not torch.cuda.is_available() if cpu is None else cpu, kwargs_handlers=handlers, **kwargs)
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         state = state_of(model, required=False)

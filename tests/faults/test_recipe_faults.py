@@ -1,0 +1,68 @@
+"""The recipe under torchrun with one rank killed or stopped at a named point (HF_RTP_FAULT): the job
+ends within its timeout with a message naming the likely cause, and the last checkpoint resumes."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
+TIMEOUT_S = 10
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_RTP_TIMEOUT": str(TIMEOUT_S), "HF_RTP_ENTRY_TIMEOUT": "5",
+       "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(out, *extra, fault=None):
+    env = dict(ENV, **({"HF_RTP_FAULT": fault} if fault else {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", FINETUNE, "--output_dir", out,
+           "--eval_every", "0", "--save_every", "2", *extra]
+    start = time.monotonic()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return done, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A clean run to step 2, with its checkpoint: what every faulty run resumes from."""
+    out = str(tmp_path_factory.mktemp("run"))
+    done, seconds = _torchrun(out, "--max_steps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, seconds
+
+
+@pytest.mark.parametrize(
+    "fault, cause",
+    [
+        ("stop@state.write#1", "another rank stopped, died or did not call it within HF_RTP_TIMEOUT"),
+        ("kill@state.write#1", "another rank"),
+        ("stop@forward#1:2", "HF_RTP_ENTRY_TIMEOUT"),
+        ("kill@load.read#1", "another rank died, was stopped"),
+    ],
+)
+def test_a_rank_killed_or_stopped_ends_the_job_in_time_with_the_cause_and_the_last_checkpoint_resumes(trained, tmp_path, fault, cause):
+    out, clean_seconds = trained
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    default = os.path.join(out, "default")
+    data = ["--model", f"{default}/model", "--dataset", f"{default}/data/train.jsonl"]
+    done, seconds = _torchrun(run, "--max_steps", "4", "--resume_from", os.path.join(out, "checkpoint-2"), *data, fault=fault)
+    assert done.returncode != 0
+    assert seconds < clean_seconds + 4 * TIMEOUT_S + 30, seconds  # bounded by the timeout, not by hope
+    assert cause in done.stderr, done.stderr[-4000:]
+    left = [os.path.join(run, f) for f in os.listdir(run) if re.fullmatch(r"checkpoint-\d+", f)]  # saves that finished
+    for checkpoint in [os.path.join(out, "checkpoint-2"), *left]:
+        assert _loads(checkpoint, f"{default}/model") in (2, 4)
+
+
+def _loads(checkpoint, model_path):
+    """The checkpoint verifies and loads (here in one process: a 2-rank state reshards to 1)."""
+    import torch
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(model_path)
+    return hf_rtp.load_training_state(checkpoint, model, torch.optim.AdamW(model.parameters()))["step"]
