@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -110,7 +111,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def as_timedelta(value: float | timedelta | None, variable: str, default: timedelta) -> timedelta:
-    """`value`, else the environment variable (seconds), else `default`; anything else is a clear error."""
+    """`value`, else the environment variable, else `default`. Seconds, or with a unit: "90s", "10m", "1h"."""
     if value is None:
         value = os.environ.get(variable) or None
         if value is None:
@@ -118,12 +119,12 @@ def as_timedelta(value: float | timedelta | None, variable: str, default: timede
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     else:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            seconds = float("nan")
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", str(value).lower())
+        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)] if match else float("nan")
     if not seconds > 0:
-        raise TopologyError(f"{variable} (or timeout=) must be a positive number of seconds, e.g. 600; got {value!r}")
+        raise TopologyError(
+            f"{variable} (or timeout=) must be a positive duration: seconds like 600, or 90s, 10m, 1h; got {value!r}"
+        )
     return timedelta(seconds=seconds)
 
 

@@ -78,7 +78,12 @@ def _stall_in_backward(ckpt):
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    accelerator = hf_rtp.Accelerator()  # accelerate makes the world group, with its own 30-minute timeout
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # accelerate makes the world group, with the user's own (long) timeout, which hf_rtp respects
+    accelerator = hf_rtp.Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=30))])
     assert dist.is_initialized()
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
     batch = global_batch(2)[rank]
@@ -102,13 +107,21 @@ def test_hf_rtp_timeout_holds_when_accelerate_made_the_process_group(tmp_path):
     assert "ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT)" in message
 
 
-@pytest.mark.parametrize("variable, value", [("HF_RTP_TIMEOUT", "10m"), ("HF_RTP_ENTRY_TIMEOUT", "-1")])
+@pytest.mark.parametrize("variable, value", [("HF_RTP_TIMEOUT", "10 minutes"), ("HF_RTP_ENTRY_TIMEOUT", "-1")])
 def test_a_bad_timeout_setting_is_a_clear_error(tmp_path, monkeypatch, variable, value):
     import hf_rtp
 
     monkeypatch.setenv(variable, value)
-    with pytest.raises(hf_rtp.TopologyError, match=f"{variable} .*positive number of seconds.*{value}"):
+    with pytest.raises(hf_rtp.TopologyError, match=f"{variable} .*positive duration: seconds like 600, or 90s, 10m, 1h.*{value}"):
         hf_rtp.from_pretrained(make_tiny("llama", tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("value, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2M ", 120)])
+def test_timeouts_take_seconds_or_a_unit(monkeypatch, value, seconds):
+    from hf_rtp.mesh import DEFAULT_TIMEOUT, as_timedelta
+
+    monkeypatch.setenv("HF_RTP_TIMEOUT", value)
+    assert as_timedelta(None, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT).total_seconds() == seconds
 
 
 def test_the_entry_timeout_defaults_to_a_minute(monkeypatch):
