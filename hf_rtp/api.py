@@ -71,6 +71,7 @@ def from_pretrained(
     if unused:
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
+    plan = _named_plan(plan)
     entries, error = {}, None
     try:
         entries = find_weights(directory).tensors()
@@ -79,14 +80,15 @@ def from_pretrained(
     raise_if_any_failed(error, topology.control, CheckpointError)  # one rank's bad file is everyone's error
     dtype = _resolve_dtype(dtype, config, entries)
     config.dtype = dtype  # as vanilla records it
+    # before any other collective: ranks holding other files would otherwise meet in different ones
+    agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=piece_bytes,
+                      dtype=dtype), topology.control)
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     untie_stored_apart(model, entries, topology)
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
-    agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, resolution=resolution,
-                      piece_bytes=piece_bytes, dtype=dtype), topology.control)
 
     tensors = {}
     try:
@@ -112,14 +114,17 @@ def from_pretrained(
     return model.eval()  # as transformers' from_pretrained does
 
 
-def _choose_plan(plan, model) -> plans.Plan:
-    if isinstance(plan, plans.Plan):
-        return plan
-    if plan == "auto":
-        return auto_plan(model)
-    if isinstance(plan, str):
+def _named_plan(plan) -> plans.Plan | str:
+    """A Plan, or "auto" (whose rules depend on the model): what ranks compare before loading."""
+    if isinstance(plan, str) and plan != "auto":
         return plans.get(plan)
+    if isinstance(plan, plans.Plan) or plan == "auto":
+        return plan
     raise TypeError(f"plan must be a Plan, a registered model_type or 'auto', got {type(plan).__name__}")
+
+
+def _choose_plan(plan, model) -> plans.Plan:
+    return auto_plan(model) if plan == "auto" else plan
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:

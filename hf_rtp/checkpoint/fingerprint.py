@@ -40,7 +40,8 @@ def _sampled_bytes(paths: list[str]) -> str:
     return "#" + hasher.hexdigest()[:12]
 
 
-def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, resolution, piece_bytes, dtype) -> dict[str, str]:
+def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_bytes, dtype) -> dict[str, str]:
+    """`plan` as given to from_pretrained: a Plan (its rules count) or a name ("auto", a model_type)."""
     import transformers
 
     from .. import __version__
@@ -55,9 +56,9 @@ def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, resolu
             json.dumps(sorted((n, str(e.dtype), list(e.shape)) for n, e in entries.items())).encode()
         ),
         "weight bytes (headers and sampled data)": _sampled_bytes(sorted({e.path for e in entries.values()})),
-        "plan": plan.name
-        + " "
-        + _digest(json.dumps([sorted(resolution.rotated.items()), sorted(resolution.replicated)]).encode()),
+        "plan": plan if isinstance(plan, str) else f"{plan.name} " + _digest(
+            json.dumps([sorted(plan.rotate.items()), list(plan.replicate), repr(plan.stored_formats)]).encode()
+        ),
         "rotation_piece_size": f"{piece_bytes} bytes",
         "dtype": str(dtype),
     }

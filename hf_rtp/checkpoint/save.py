@@ -26,7 +26,7 @@ from ..log import info, progress, warning
 from ..mesh import Topology, raise_if_any_failed
 from ..sharding import ChunkLayout
 from ..state import state_of
-from .atomic import commit_save, recover_save
+from .atomic import JOURNAL, commit_save, recover_save
 from .files import INDEX_NAME, SINGLE_NAME
 from .formats import source_for
 from .keys import tie_targets
@@ -204,7 +204,8 @@ def save_pretrained(
                 info(f"Model weights saved in {save_directory}")
     finally:
         bar.close()
-        if staging is not None and os.path.isdir(staging):
+        # a staging folder a journal names holds part of the new checkpoint: the next load finishes it
+        if staging is not None and os.path.isdir(staging) and not os.path.exists(os.path.join(save_directory, JOURNAL)):
             shutil.rmtree(staging, ignore_errors=True)
     raise_if_any_failed(error, topology.control, CheckpointError)
 

@@ -65,8 +65,8 @@ def _load(ckpt, state_dir, variant="plain"):
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
     ckpt = make_tiny("llama", root / "ckpt")
-    run_on_ranks(_save_after, 2, ckpt, str(root / "state"), 1)
-    return ckpt, str(root / "state")
+    params = run_on_ranks(_save_after, 2, ckpt, str(root / "state"), 1)
+    return ckpt, str(root / "state"), params
 
 
 def _shards(folder):
@@ -95,7 +95,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_a_damaged_training_checkpoint_is_refused_on_every_rank_before_anything_loads(saved, tmp_path, case):
-    ckpt, state = saved
+    ckpt, state, _ = saved
     copy = shutil.copytree(state, tmp_path / "state")
     damage, message = DAMAGE[case]
     damage(str(copy))
@@ -106,21 +106,20 @@ def test_a_damaged_training_checkpoint_is_refused_on_every_rank_before_anything_
 
 
 def test_killed_before_the_swap_keeps_the_previous_checkpoint(saved, tmp_path):
-    ckpt, state = saved
+    ckpt, state, saved_params = saved
     target = str(shutil.copytree(state, tmp_path / "state"))
-    before = run_on_ranks(_load, 2, ckpt, target)
     env = {**TIMEOUT, "HF_RTP_FAULT": "kill@state.commit#0"}
     [(seconds, message)] = run_on_ranks(_save_after, 2, ckpt, target, 2, env=env, survivors=(1,))
     assert seconds < 30, seconds
     assert "another rank died, was stopped, or did not reach the same call within HF_RTP_TIMEOUT" in message
     after = run_on_ranks(_load, 2, ckpt, target)
-    for (_, _, step, params), (_, _, step_before, params_before) in zip(after, before):
-        assert step == step_before == 1
-        assert all((a == b).all() for a, b in zip(params, params_before))
+    for (_, _, step, params), params_saved in zip(after, saved_params):
+        assert step == 1
+        assert all((a == b).all() for a, b in zip(params, params_saved))
 
 
 def test_killed_between_the_renames_of_the_fallback_recovers_the_new_checkpoint(saved, tmp_path):
-    ckpt, state = saved
+    ckpt, state, _ = saved
     target = str(shutil.copytree(state, tmp_path / "state"))
     env = {**TIMEOUT, "HF_RTP_FAULT": "kill@state.commit.aside#0", "HF_RTP_NO_RENAME_EXCHANGE": "1"}
     run_on_ranks(_save_after, 2, ckpt, target, 2, env=env, survivors=(1,))
@@ -133,7 +132,7 @@ def test_killed_between_the_renames_of_the_fallback_recovers_the_new_checkpoint(
 
 
 def test_a_rank_stopped_mid_save_is_an_error_within_the_timeout_and_the_old_checkpoint_stays(saved, tmp_path):
-    ckpt, state = saved
+    ckpt, state, _ = saved
     target = str(shutil.copytree(state, tmp_path / "state"))
     env = {**TIMEOUT, "HF_RTP_FAULT": "stop@state.write#1"}
     [(seconds, message)] = run_on_ranks(_save_after, 2, ckpt, target, 2, env=env, survivors=(0,), timeout=120)

@@ -97,3 +97,13 @@ def test_a_single_file_resave_with_the_same_config_is_one_rename(tmp_path):
     model.save_pretrained(out)
     assert os.stat(out / "config.json").st_ino == config_inode  # untouched: only model.safetensors was replaced
     assert load_file(str(out / "model.safetensors")).keys() == load_file(os.path.join(ckpt, "model.safetensors")).keys()
+
+
+def test_a_commit_that_fails_half_way_keeps_its_staged_files_for_the_next_load(old_and_new):
+    ckpt, out, old, new = old_and_new
+    env = {"HF_RTP_FAULT": "raise@save.commit.mid#0"}  # e.g. EIO or ENOSPC between two renames
+    for seconds, message in run_on_ranks(_save, 2, ckpt, out, 0.5, env=env):
+        assert "No space left on device" in message
+    assert [f for f in os.listdir(out) if f.startswith(".hf_rtp-staging-")]  # what the journal names, kept
+    assert run_on_ranks(_load_sum, 2, out) == [pytest.approx(new, rel=1e-12)] * 2
+    assert _vanilla_sum(out) == pytest.approx(new, rel=1e-12)
