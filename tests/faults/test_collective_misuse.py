@@ -169,3 +169,28 @@ def _trainer_without_use_cpu(ckpt):
 def test_a_trainer_that_runs_undistributed_is_refused_at_construction(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     assert run_on_ranks(_trainer_without_use_cpu, 2, ckpt) == [1, 1]
+
+
+def _main_process_waits_alone(flag):
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    accelerator = hf_rtp.Accelerator()  # accelerate creates the world group here
+    if rank == 1:  # the fault: rank 1 skips wait_for_everyone and idles until rank 0 has given up
+        deadline = time.monotonic() + 120
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    start = time.monotonic()
+    try:
+        accelerator.wait_for_everyone()
+        outcome = None
+    except RuntimeError:
+        outcome = time.monotonic() - start
+    open(flag, "w").close()
+    return outcome
+
+
+def test_hf_rtp_accelerator_gives_accelerates_world_group_hf_rtps_timeout(tmp_path):
+    seconds, _ = run_on_ranks(_main_process_waits_alone, 2, str(tmp_path / "flag"), env={"HF_RTP_TIMEOUT": "4"})
+    assert seconds is not None and 3 <= seconds < 30, seconds  # accelerate's default would be 30 minutes
