@@ -51,9 +51,7 @@ def _exchange(a: str, b: str) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def replace_folder(new: str, target: str) -> None:
@@ -64,7 +62,7 @@ def replace_folder(new: str, target: str) -> None:
     if not os.path.exists(target):
         os.rename(new, target)
     elif _exchange(new, target):
-        shutil.rmtree(new)  # now the old one
+        shutil.rmtree(new)  # now the old one; a crash before this leaves it for recover_folder
     else:
         aside = target + ".old"
         shutil.rmtree(aside, ignore_errors=True)

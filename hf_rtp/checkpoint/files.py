@@ -33,8 +33,10 @@ class CheckpointFiles:
             entries.update(read_header(path))
         index = os.path.join(self.directory, INDEX_NAME)
         if os.path.exists(index):
-            for name, filename in _read_index(index).items():
-                if name not in entries or entries[name].path != _inside(self.directory, filename, index):
+            weight_map = _read_index(index)
+            paths = {f: _inside(self.directory, f, index) for f in set(weight_map.values())}
+            for name, filename in weight_map.items():
+                if name not in entries or entries[name].path != paths[filename]:
                     raise CheckpointError(f"{index} lists {name} in {filename}, but that file does not hold it")
         return entries
 
