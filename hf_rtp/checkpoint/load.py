@@ -9,6 +9,7 @@ from ..errors import CheckpointError
 from ..layers.common import local
 from ..log import progress
 from ..mesh import raise_if_any_failed
+from .atomic import recover_save
 from .files import find_weights
 from .keys import Want, wants_for
 from .safetensors_io import TensorEntry
@@ -57,6 +58,12 @@ def load_into(model: nn.Module, directory: str) -> None:
 
     base, state = rotated_module(model), state_of(model)
     topology, error, tensors = state.topology, None, {}
+    if topology.rank == 0:
+        try:  # a save_pretrained there that a crash interrupted mid-commit: finish it first
+            recover_save(directory)
+        except Exception as err:
+            error = err
+    raise_if_any_failed(error, topology.control, CheckpointError)
     try:
         entries = find_weights(directory).tensors()
         wants, _ = wants_for(base, state.resolution, topology, entries, state.plan.stored_formats)

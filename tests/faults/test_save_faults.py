@@ -107,3 +107,19 @@ def test_a_commit_that_fails_half_way_keeps_its_staged_files_for_the_next_load(o
     assert [f for f in os.listdir(out) if f.startswith(".hf_rtp-staging-")]  # what the journal names, kept
     assert run_on_ranks(_load_sum, 2, out) == [pytest.approx(new, rel=1e-12)] * 2
     assert _vanilla_sum(out) == pytest.approx(new, rel=1e-12)
+
+
+def _load_into_sum(ckpt, out):
+    import hf_rtp
+    from hf_rtp.checkpoint.load import load_into
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64)
+    load_into(model, out)  # what Trainer's load_best_model_at_end calls
+    return sum(float(p.full_tensor().sum() if hasattr(p, "full_tensor") else p.sum()) for p in model.parameters())
+
+
+def test_loading_a_best_model_whose_save_was_killed_mid_commit_finishes_it(old_and_new):
+    ckpt, out, old, new = old_and_new
+    env = {"HF_RTP_TIMEOUT": "10", "HF_RTP_FAULT": "kill@save.commit.mid#0"}
+    run_on_ranks(_save, 2, ckpt, out, 0.5, env=env, survivors=(1,))
+    assert run_on_ranks(_load_into_sum, 2, ckpt, out) == [pytest.approx(new, rel=1e-12)] * 2
