@@ -92,7 +92,7 @@ def from_pretrained(
 
     tensors = {}
     try:
-        wants, stored_format = wants_for(model, resolution, topology, entries, plan.stored_formats)
+        wants, sources = wants_for(model, resolution, topology, entries)
         faults.point("load.read")
         tensors = read_local(entries, wants, dtype, topology.device)
     except Exception as err:
@@ -106,7 +106,7 @@ def from_pretrained(
     install(model, resolution, tensors, topology)
     if os.path.exists(os.path.join(directory, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(directory)
-    bind(model, RTPState(topology, plan, resolution, stored_format))
+    bind(model, RTPState(topology, plan, resolution, sources))
     log.info(
         f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s): "
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"

@@ -8,7 +8,7 @@ switches a rotated model needs (listed there, with why).
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -25,8 +25,9 @@ class RTPState:
     topology: Topology
     plan: Plan
     resolution: Resolution
-    stored_format: tuple = ()
-    """the names the checkpoint stored, so that saving writes them back"""
+    sources: dict = field(default_factory=dict)
+    """parameter name -> the stored tensors it was read from (checkpoint.conversion.Source), so that
+    saving writes those names back"""
 
 
 def bind(model: nn.Module, state: RTPState) -> nn.Module:

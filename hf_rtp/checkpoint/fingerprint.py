@@ -57,7 +57,7 @@ def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_
         ),
         "weight bytes (headers and sampled data)": _sampled_bytes(sorted({e.path for e in entries.values()})),
         "plan": plan if isinstance(plan, str) else f"{plan.name} " + _digest(
-            json.dumps([sorted(plan.rotate.items()), list(plan.replicate), repr(plan.stored_formats)]).encode()
+            json.dumps([sorted(plan.rotate.items()), list(plan.replicate)]).encode()
         ),
         "rotation_piece_size": f"{piece_bytes} bytes",
         "dtype": str(dtype),

@@ -1,8 +1,7 @@
-"""What each rank reads, under which stored format, and which names are ties.
+"""What each rank reads, from which stored tensors, and which names are ties.
 
-Loading picks the first of the plan's stored formats that the checkpoint matches (see formats.py),
-reads only this rank's rows (or experts), and the model remembers the format so that saving writes
-the same names back.
+Stored names map to parameters as vanilla maps them (conversion.py); each rank reads only its rows
+(or experts), and the model remembers the sources so that saving writes the same names back.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from ..log import warning
 from ..mesh import Topology
 from ..plans import Resolution
 from ..sharding import chunk_rows
-from .formats import Source, StoredFormat, source_for
+from .conversion import Source, own, stored_sources
 from .safetensors_io import TensorEntry, read_rows
 
 
@@ -79,26 +78,18 @@ class Want:
 
 
 def wants_for(
-    model: nn.Module,
-    resolution: Resolution,
-    topology: Topology,
-    entries: dict[str, TensorEntry],
-    formats: tuple[StoredFormat, ...],
-) -> tuple[dict[str, Want], StoredFormat]:
-    """What this rank reads for each parameter, under the first format the checkpoint matches."""
+    model: nn.Module, resolution: Resolution, topology: Topology, entries: dict[str, TensorEntry]
+) -> tuple[dict[str, Want], dict[str, Source]]:
+    """What this rank reads for each parameter; and each parameter's source, for saving."""
     targets = tie_targets(model)
-    params = [(n, p.shape) for n, p in model.named_parameters(remove_duplicate=False) if n not in targets]
-    candidates = ((), *formats)
-    for stored_format in candidates:
-        if all(all(s in entries for s in source_for(n, shape, stored_format).names) for n, shape in params):
-            break
-    else:
-        stored_format = ()  # none fits: reading under the model's own names reports what is missing
+    sources = stored_sources(model, list(entries))
     wants = {}
-    for name, shape in params:
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in targets:
+            continue
         rows = None
         if topology.world_size > 1 and name in resolution.rotated_params:
-            rows = chunk_rows(shape[0], topology.world_size, topology.rank)
-        wants[name] = Want(shape, rows, source_for(name, shape, stored_format))
-    return wants, stored_format
-
+            rows = chunk_rows(param.shape[0], topology.world_size, topology.rank)
+        # a name no stored tensor provides reads under its own name, which reports it missing
+        wants[name] = Want(param.shape, rows, sources.get(name) or own(name, param.shape))
+    return wants, {name: want.source for name, want in wants.items()}

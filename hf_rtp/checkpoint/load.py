@@ -66,7 +66,7 @@ def load_into(model: nn.Module, directory: str) -> None:
     raise_if_any_failed(error, topology.control, CheckpointError)
     try:
         entries = find_weights(directory).tensors()
-        wants, _ = wants_for(base, state.resolution, topology, entries, state.plan.stored_formats)
+        wants, _ = wants_for(base, state.resolution, topology, entries)
         tensors = read_local(entries, wants, next(base.parameters()).dtype, topology.device)
     except Exception as err:
         error = err

@@ -28,7 +28,7 @@ from ..sharding import ChunkLayout
 from ..state import state_of
 from .atomic import JOURNAL, commit_save, recover_save
 from .files import INDEX_NAME, SINGLE_NAME
-from .formats import source_for
+from .conversion import own
 from .keys import tie_targets
 from .safetensors_io import CheckpointError, StreamingWriter
 
@@ -84,10 +84,10 @@ class _Stored:
 
 def _stored_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, _Stored]:
     """The checkpoint's tensors by stored name, in the format the model was loaded from."""
-    stored_format = state_of(model).stored_format
+    sources = state_of(model).sources
     out = {}
     for name, tensor in tensors.items():
-        for stored_name, shape, rows, cols in source_for(name, tensor.shape, stored_format).stored_parts(tensor.shape):
+        for stored_name, shape, rows, cols in (sources.get(name) or own(name, tensor.shape)).stored_parts(tensor.shape):
             out[stored_name] = _Stored(tensor, shape, rows, cols)
     return out
 

@@ -9,27 +9,47 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .conv1d import RotatedConv1D
-from .embedding import RotatedEmbedding
-from .experts import RotatedExperts, is_fused_experts
+from .embedding import RotatedEmbedding, embedding_refusal
+from .experts import RotatedExperts, experts_refusal
 from .linear import RotatedLinear
 
 
 @dataclass(frozen=True)
 class LayerKind:
-    fits: Callable[[nn.Module], bool]
+    refusal: Callable[[nn.Module], str | None]
+    """why this kind cannot reproduce a module's forward exactly; None when it can"""
     rotated: type[nn.Module]
     rotated_leaves: tuple[str, ...]
     """parameters cut along dim 0; the module's other parameters stay replicated (Conv1D's bias)"""
     replaces: str
     """what it rotates, for error messages"""
 
+    def fits(self, module: nn.Module) -> bool:
+        return self.refusal(module) is None
+
+
+def _plain(base: type[nn.Module]) -> Callable[[nn.Module], str | None]:
+    """Instances of `base` whose class keeps base's forward: a subclass with its own math is refused."""
+
+    def refusal(module: nn.Module) -> str | None:
+        if not isinstance(module, base):
+            return f"it is not a {base.__name__}"
+        if type(module).forward is not base.forward:
+            return f"{type(module).__name__} overrides {base.__name__}.forward, which hf_rtp does not reproduce"
+        return None
+
+    return refusal
+
 
 LAYERS: dict[str, LayerKind] = {
-    "linear": LayerKind(lambda m: isinstance(m, nn.Linear), RotatedLinear, ("weight", "bias"), "nn.Linear"),
-    "embedding": LayerKind(lambda m: isinstance(m, nn.Embedding), RotatedEmbedding, ("weight",), "nn.Embedding"),
-    "conv1d": LayerKind(lambda m: isinstance(m, Conv1D), RotatedConv1D, ("weight",), "transformers Conv1D"),
+    "linear": LayerKind(_plain(nn.Linear), RotatedLinear, ("weight", "bias"), "nn.Linear"),
+    "embedding": LayerKind(embedding_refusal, RotatedEmbedding, ("weight",), "nn.Embedding"),
+    "conv1d": LayerKind(_plain(Conv1D), RotatedConv1D, ("weight",), "transformers Conv1D"),
     "experts": LayerKind(
-        is_fused_experts, RotatedExperts, ("gate_up_proj", "down_proj"), "fused experts (gate_up_proj, down_proj)"
+        experts_refusal,
+        RotatedExperts,
+        ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"),
+        "fused experts declared through transformers' use_experts_implementation",
     ),
 }
 

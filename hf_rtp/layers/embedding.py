@@ -2,9 +2,17 @@
 
 Ranges are disjoint, so "sum" is a masked write. Backward needs no weights, only the travelling
 gradient accumulator, so the embedding's weights do not rotate a second time.
+
+Subclasses that change the forward are refused, except one adaptation: the scaled word embedding of
+Gemma 1/2/3 (`super().forward(ids) * self.embed_scale.to(self.weight.dtype)`), recognised by the
+exact text of its forward, so an edited copy is refused rather than silently unscaled.
 """
 
 from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +80,8 @@ class RotatedEmbedding(nn.Embedding):
         self.weight = weight
         self.ring = ring
         self.layout = ChunkLayout((weight.shape,), ring.size)
+        if _is_scaled(source):  # a non-persistent buffer, as in the source: same buffers and state_dict
+            self.register_buffer("embed_scale", source.embed_scale, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Vanilla fails on such ids; here they would silently embed to zeros. Async: no GPU sync.
@@ -79,4 +89,40 @@ class RotatedEmbedding(nn.Embedding):
             ((ids >= 0) & (ids < self.num_embeddings)).all(),
             f"token ids must lie in [0, {self.num_embeddings}): check the tokenizer matches the model",
         )
-        return _RotatedEmbeddingFn.apply(ids, local(self.weight), self.ring, self.layout, self.padding_idx)
+        out = _RotatedEmbeddingFn.apply(ids, local(self.weight), self.ring, self.layout, self.padding_idx)
+        embed_scale = getattr(self, "embed_scale", None)
+        return out if embed_scale is None else out * embed_scale.to(out.dtype)
+
+
+_SCALED_FORWARD = "def forward(self, input_ids):\n    return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+
+
+def _source_text(function) -> str | None:
+    """The function's code without annotations, decorators, docstring or comments."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(tree, ast.FunctionDef):
+        return None
+    tree.decorator_list, tree.returns = [], None
+    for arg in tree.args.args:
+        arg.annotation = None
+    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant):
+        tree.body = tree.body[1:]
+    return ast.unparse(tree)
+
+
+def _is_scaled(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "embed_scale", None), torch.Tensor) and _source_text(
+        type(module).forward
+    ) == _SCALED_FORWARD
+
+
+def embedding_refusal(module: nn.Module) -> str | None:
+    """Why the embedding kind cannot reproduce this module exactly, or None when it can."""
+    if not isinstance(module, nn.Embedding):
+        return "it is not an nn.Embedding"
+    if type(module).forward is nn.Embedding.forward or _is_scaled(module):
+        return None
+    return f"{type(module).__name__} overrides nn.Embedding.forward with math hf_rtp does not reproduce"

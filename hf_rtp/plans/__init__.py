@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from ..errors import PlanError, UnsupportedModelError
 from .base import Plan, Resolution
+from .decoder import FAMILIES, decoder_plan
 from .gpt2 import GPT2
-from .llama import LLAMA
-from .mixtral import MIXTRAL
 
-_REGISTRY: dict[str, Plan] = {"llama": LLAMA, "gpt2": GPT2, "mixtral": MIXTRAL}
+_REGISTRY: dict[str, Plan] = {"gpt2": GPT2, **{family: decoder_plan(family) for family in FAMILIES}}
 
 
 def supported() -> list[str]:

@@ -1,6 +1,7 @@
-"""The automatic plan, only when asked for (plan="auto"): rotate every Linear, Conv1D and Embedding
-along dim 0 and replicate everything else. It suits decoder-only models whose projections are plain
-modules; it logs what it chose so you can turn it into a registered plan.
+"""The automatic plan, only when asked for (plan="auto"): rotate every module a layer kind reproduces
+exactly (Linear, Conv1D, Embedding, fused experts) along dim 0 and replicate everything else. It suits
+decoder-only models whose projections are plain modules; it logs what it chose, and what it kept
+whole and why, so you can turn it into a registered plan.
 """
 
 from __future__ import annotations
@@ -8,28 +9,42 @@ from __future__ import annotations
 from collections import Counter
 
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from .. import log
 from ..layers import LAYERS
 from .base import Plan
 
-AUTO_KINDS = ("linear", "conv1d", "embedding")
+# kind -> the modules it is meant for; a candidate the kind cannot reproduce is kept whole, with why
+AUTO_KINDS = {
+    "linear": lambda m: isinstance(m, nn.Linear),
+    "conv1d": lambda m: isinstance(m, Conv1D),
+    "embedding": lambda m: isinstance(m, nn.Embedding),
+    "experts": lambda m: "gate_up_proj" in m._parameters or type(m).__name__.endswith("Experts"),
+}
 
 
 def auto_plan(model: nn.Module) -> Plan:
-    rotate = {}
+    rotate, kept = {}, {}
     for name, module in model.named_modules():
-        for kind in AUTO_KINDS:
-            if LAYERS[kind].fits(module):
+        for kind, candidate in AUTO_KINDS.items():
+            if not candidate(module):
+                continue
+            refusal = LAYERS[kind].refusal(module)
+            if refusal is None:
                 rotate[name] = kind
-                break
+            else:
+                kept[name] = refusal
+            break
     rotated_params = {f"{m}.{leaf}" for m, kind in rotate.items() for leaf in LAYERS[kind].rotated_leaves}
     replicate = tuple(
         n for n, _ in model.named_parameters(remove_duplicate=False) if n not in rotated_params and n.rpartition(".")[0] not in rotate
     )
     counts = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(rotate.values()).items()))
+    whole = "; ".join(f"{name} ({why})" for name, why in kept.items())
     log.warning(
         f"plan='auto' for {type(model).__name__}: rotating {len(rotate)} modules ({counts}): "
         f"{', '.join(rotate)}; replicating {len(replicate)} parameters: {', '.join(replicate)}"
+        + (f"; kept whole because no layer kind reproduces them exactly: {whole}" if kept else "")
     )
     return Plan(name="auto", rotate=rotate, replicate=replicate)

@@ -24,9 +24,6 @@ class Plan:
     replicate: tuple[str, ...] = ()
     """parameter-name globs kept whole on every rank (norms, routers); their grads are averaged"""
     name: str = field(default="custom", compare=False)
-    stored_formats: tuple = ()
-    """other ways checkpoints store these parameters (hf_rtp.checkpoint.formats); tried in order
-    after the model's own names"""
 
     def resolve(self, model: nn.Module) -> "Resolution":
         rotated: dict[str, str] = {}
@@ -39,10 +36,12 @@ class Plan:
             kind = kinds.pop()
             if kind not in LAYERS:
                 raise PlanError(f"plan '{self.name}': unknown layer kind '{kind}'; known kinds: {sorted(LAYERS)}")
-            if not LAYERS[kind].fits(module):
+            refusal = LAYERS[kind].refusal(module)
+            if refusal is not None:
                 raise PlanError(
-                    f"plan '{self.name}': {module_name} is a {type(module).__name__}, "
-                    f"but kind '{kind}' rotates {LAYERS[kind].replaces} modules"
+                    f"plan '{self.name}': {module_name} is a {type(module).__name__}, but kind '{kind}' rotates "
+                    f"{LAYERS[kind].replaces} modules only when it reproduces their forward exactly, and {refusal}. "
+                    "Replicate its parameters instead, or register a plan without it"
                 )
             nested = [n for n, _ in module.named_parameters() if "." in n]
             if nested:

@@ -3,9 +3,10 @@ no q/k/v split; wte and the tied lm_head rotate by vocabulary; norms, Conv1D bia
 
 wpe is replicated on purpose: it is 0.6% of GPT-2 small (1024 x 768) and is looked up by position,
 so rotating it would add two latency-bound ring walks per step to save almost no memory.
+The original openai-community/gpt2 files store the base model's names (no "transformer."): they
+load through transformers' base-model prefix rule, as in vanilla.
 """
 
-from ..checkpoint.formats import Renamed
 from .base import Plan
 
 GPT2 = Plan(
@@ -24,6 +25,4 @@ GPT2 = Plan(
         "transformer.h.*.ln_2.*",
         "transformer.ln_f.*",
     ),
-    # the original openai-community/gpt2 files store the base model's names (no "transformer.")
-    stored_formats=((Renamed("transformer.", "", prefix=True),),),
 )

@@ -1,0 +1,38 @@
+"""The Llama-shaped decoders (Llama, Mistral, Qwen 2/2.5/3 and their MoE, Gemma 1/2/3, Phi-3,
+DeepSeek-V3, Mixtral, gpt-oss): one plan, because they share one module layout under `model.`.
+
+Every projection (`*_proj`: q/k/v/o, Phi-3's fused qkv_proj and gate_up_proj, DeepSeek's MLA
+q_a/q_b/kv_a/kv_b, shared experts), the embedding and the LM head rotate as linear layers; fused
+experts rotate in expert groups; norms, routers and attention sinks stay whole. A family whose
+module differs from what its kind reproduces exactly (a Linear subclass with its own forward, say)
+is refused at load with the module's name, never rotated with other math.
+"""
+
+from __future__ import annotations
+
+from .base import Plan
+
+_ROTATE = {
+    "model.embed_tokens": "embedding",
+    "model.layers.*.self_attn.*_proj*": "linear",  # and DeepSeek's kv_a_proj_with_mqa
+    "model.layers.*.mlp.*_proj": "linear",  # dense MLPs and shared experts
+    "model.layers.*.mlp.experts": "experts",
+    "lm_head": "linear",
+}
+_REPLICATE = (
+    "model.layers.*norm.*",  # input/post-attention/pre-/post-feedforward norms, q/k norms, MLA norms
+    "model.norm.*",
+    "model.layers.*.mlp.gate.*",  # routers (weight; DeepSeek's e_score_correction_bias)
+    "model.layers.*.mlp.router.*",  # gpt-oss's router
+    "model.layers.*.mlp.shared_expert_gate.weight",  # Qwen-MoE: one output, a gate on the shared expert
+    "model.layers.*.self_attn.sinks",  # gpt-oss's attention sinks, one per head
+)
+
+FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
+    "gemma", "gemma2", "gemma3_text", "phi3", "deepseek_v3", "gpt_oss",
+)
+
+
+def decoder_plan(name: str) -> Plan:
+    return Plan(name=name, rotate=dict(_ROTATE), replicate=_REPLICATE)
