@@ -24,9 +24,6 @@ class LayerKind:
     replaces: str
     """what it rotates, for error messages"""
 
-    def fits(self, module: nn.Module) -> bool:
-        return self.refusal(module) is None
-
 
 def _plain(base: type[nn.Module]) -> Callable[[nn.Module], str | None]:
     """Instances of `base` whose class keeps base's forward: a subclass with its own math is refused."""

@@ -14,12 +14,13 @@ import hf_rtp
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
-    config = Qwen2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=50)
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"model_type 'qwen2'.*Supported: gpt2, llama, mixtral.*plan='auto'"):
+    config = Starcoder2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=50)
+    Starcoder2ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"model_type 'starcoder2'.*Supported: deepseek_v3, .*gpt2, .*"
+                                                           r"llama, .*qwen3_moe.*plan='auto'"):
         hf_rtp.from_pretrained(tmp_path)
 
 

@@ -15,7 +15,9 @@ import os
 
 import pytest
 import torch
-from support.compare import ADAM_EPS, ATOL, DTYPE, LR, RTOL, STEP_ATOL, assert_matches, float64_loss
+from support.compare import (
+    ADAM_EPS, ATOL, DTYPE, LR, RTOL, STEP_ATOL, assert_matches, assert_same_model, float64_loss, forward_both,
+)
 from support.models import global_batch, make_fused_mixtral, make_tiny, rewrite_names, stored_names
 from support.spawn import run_on_ranks
 
@@ -60,21 +62,11 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save,
         extra = {"experts_implementation": "eager"} if json.load(f)["model_type"] == "mixtral" else {}
     model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE, plan=plan, rotation_piece_size=piece_size, **extra)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPE, **extra)
-    assert type(model) is type(ref)
-    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
-    assert list(model.state_dict()) == list(ref.state_dict())
-    for name, buf in ref.named_buffers():  # non-persistent rotary frequencies
-        torch.testing.assert_close(model.get_buffer(name), buf, atol=0, rtol=0)
-    assert_matches(model, ref, world, rank, "param")
+    assert_same_model(model, ref, world, rank)
     model.train(), ref.train()
 
     batches = global_batch(world)
-    out = model(input_ids=batches[rank], labels=batches[rank])
-    ref_outs = [ref(input_ids=b, labels=b) for b in batches]
-    torch.testing.assert_close(out.logits, ref_outs[rank].logits, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out.loss, ref_outs[rank].loss, atol=1e-6, rtol=1e-6)  # transformers' loss is float32
-    if getattr(out, "aux_loss", None) is not None:  # MoE load balancing, from the replicated router
-        torch.testing.assert_close(out.aux_loss, ref_outs[rank].aux_loss, atol=ATOL, rtol=RTOL)
+    out, ref_outs = forward_both(model, ref, batches, rank)
     # Backward through a float64 loss: vanilla's downcasts logits to float32, whose rounding would
     # then differ between one rank's mean and the reference's mean over ranks.
     float64_loss(out, batches[rank], ref.config).backward()

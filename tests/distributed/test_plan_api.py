@@ -34,7 +34,8 @@ def registry():
 
 
 def _load_registered(ckpt):
-    plans.register("qwen2", QWEN2)  # each process registers, as a user's script would
+    # each process registers, as a user's script would; replacing the built-in plan takes overwrite=True
+    plans.register("qwen2", QWEN2, overwrite=True)
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     rank = torch.distributed.get_rank()
@@ -51,12 +52,14 @@ def test_registered_user_plan_is_used_for_its_model_type(tmp_path):
 
 
 def test_register_refuses_silent_replacement(registry):
-    plans.register("qwen2", QWEN2)
+    with pytest.raises(PlanError, match="a plan for 'qwen2' is registered already; pass overwrite=True"):
+        plans.register("qwen2", QWEN2)  # the built-in one
+    plans.register("starcoder2", QWEN2)
     with pytest.raises(PlanError, match="registered already; pass overwrite=True"):
-        plans.register("qwen2", QWEN2)
-    plans.register("qwen2", QWEN2, overwrite=True)
+        plans.register("starcoder2", QWEN2)
+    plans.register("starcoder2", QWEN2, overwrite=True)
     with pytest.raises(TypeError, match="needs an hf_rtp.plans.Plan"):
-        plans.register("qwen2", {"rotate": {}})
+        plans.register("starcoder2", {"rotate": {}})
 
 
 def _override_keeps_lm_head_whole(ckpt):

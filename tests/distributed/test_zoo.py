@@ -18,7 +18,8 @@ import traceback
 import pytest
 import torch
 from support.compare import (
-    ADAM_EPS, ATOL, DTYPE, GRAD_ATOL, GRAD_RTOL, LR, RTOL, STEP_ATOL, assert_matches, float64_loss,
+    ADAM_EPS, DTYPE, GRAD_ATOL, GRAD_RTOL, LR, STEP_ATOL, assert_matches, assert_same_model, float64_loss,
+    forward_both,
 )
 from support.models import global_batch
 from support.spawn import run_on_ranks
@@ -47,20 +48,12 @@ def _check_family(name, ckpt, bf16_ckpt, out_dir, rank, world):
     import hf_rtp
 
     model, ref = _load_pair(ckpt, DTYPE, name)
-    assert type(model) is type(ref)
-    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
-    assert list(model.state_dict()) == list(ref.state_dict())
-    for buffer_name, buffer in ref.named_buffers():  # rotary frequencies, Gemma's embed_scale
-        torch.testing.assert_close(model.get_buffer(buffer_name), buffer, atol=0, rtol=0)
+    assert_same_model(model, ref, world, rank)
     assert any(isinstance(p, DTensor) for p in model.parameters()) == (world > 1)
-    assert_matches(model, ref, world, rank, "param")
 
     model.train(), ref.train()
     batches = global_batch(world)
-    out = model(input_ids=batches[rank], labels=batches[rank])
-    ref_outs = [ref(input_ids=b, labels=b) for b in batches]
-    torch.testing.assert_close(out.logits, ref_outs[rank].logits, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out.loss, ref_outs[rank].loss, atol=1e-6, rtol=1e-6)
+    out, ref_outs = forward_both(model, ref, batches, rank)
     float64_loss(out, batches[rank], ref.config).backward()
     hf_rtp.sync_grads(model)
     torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()

@@ -10,7 +10,8 @@ STRATEGIES = ["single", "ddp", "fsdp2", "tp", "rtp"]
 
 def test_bench_runs_every_strategy_side_by_side(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2,4",
+    # 2 ranks only: 4 processes per strategy on CI's 2 cores cost a minute; notebooks/03_memory runs 4
+    cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2",
            "--warmup", "1", "--steps", "2", "--output", str(out)]
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the preset checkpoint is made under TMPDIR
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -19,7 +20,7 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
     result = json.loads((out / "results.json").read_text())
     assert result["failed"] == []
     rows = {(r["strategy"], r["world_size"]): r for r in result["results"]}
-    assert set(rows) == {("single", 1)} | {(s, n) for s in STRATEGIES[1:] for n in (2, 4)}
+    assert set(rows) == {("single", 1)} | {(s, 2) for s in STRATEGIES[1:]}
     single = rows[("single", 1)]
     for (strategy, n), r in rows.items():
         assert r["peak_gb"] > 0 and r["step_s"] > 0 and r["load_s"] > 0, (strategy, n)
@@ -31,9 +32,8 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
         assert r["ideal_gb"] == r["ideal_gb"] and r["efficiency"] > 0  # from the single-process run
         assert r["estimate_gb"] > 0
     # what each rank holds: RTP about 1/N of the parameters, DDP all of them
-    for n in (2, 4):
-        assert rows[("ddp", n)]["local_param_gb"] == single["local_param_gb"]
-        assert rows[("rtp", n)]["local_param_gb"] < single["local_param_gb"] / n * 1.05
+    assert rows[("ddp", 2)]["local_param_gb"] == single["local_param_gb"]
+    assert rows[("rtp", 2)]["local_param_gb"] < single["local_param_gb"] / 2 * 1.05
     for s in STRATEGIES:
         assert s in done.stdout
     assert "rtp/ddp: memory" in done.stdout and "rtp/fsdp2" in done.stdout

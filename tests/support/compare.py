@@ -49,3 +49,24 @@ def float64_loss(out, ids, config):
     if getattr(out, "aux_loss", None) is not None:
         loss = loss + config.router_aux_loss_coef * out.aux_loss
     return loss
+
+
+def assert_same_model(model, ref, world, rank):
+    """Same class, parameter names and shapes, state_dict keys, buffers; this rank's rows of every parameter."""
+    assert type(model) is type(ref)
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    for name, buf in ref.named_buffers():  # non-persistent rotary frequencies, Gemma's embed_scale
+        torch.testing.assert_close(model.get_buffer(name), buf, atol=0, rtol=0)
+    assert_matches(model, ref, world, rank, "param")
+
+
+def forward_both(model, ref, batches, rank):
+    """This rank's forward, and vanilla's on every rank's batch; logits, loss and MoE aux loss compared."""
+    out = model(input_ids=batches[rank], labels=batches[rank])
+    ref_outs = [ref(input_ids=b, labels=b) for b in batches]
+    torch.testing.assert_close(out.logits, ref_outs[rank].logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.loss, ref_outs[rank].loss, atol=1e-6, rtol=1e-6)  # transformers' loss is float32
+    if getattr(out, "aux_loss", None) is not None:  # MoE load balancing, from the replicated router
+        torch.testing.assert_close(out.aux_loss, ref_outs[rank].aux_loss, atol=ATOL, rtol=RTOL)
+    return out, ref_outs

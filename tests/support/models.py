@@ -30,7 +30,7 @@ def tiny_config(arch: str, tied: bool = False, **overrides):
                         num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
                         tie_word_embeddings=tied)
         return MixtralConfig(**{**settings, **overrides})
-    if arch == "qwen2":  # no registered plan: loaded with plan="auto"; q/k/v carry biases
+    if arch == "qwen2":  # q/k/v carry biases; tests load it with plan="auto" or a plan of their own
         settings = dict(_SHARED, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
         return Qwen2Config(**{**settings, **overrides})
     raise ValueError(arch)
