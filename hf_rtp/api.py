@@ -17,6 +17,7 @@ from .checkpoint.keys import tie_targets, untie_stored_apart, wants_for
 from .checkpoint.load import read_local
 from .checkpoint.save import parse_size
 from .errors import CheckpointError
+from .fused_head import install_forward
 from .integrations.accelerate import check_accelerate_state
 from .mesh import raise_if_any_failed, setup
 from .plans.auto import auto_plan
@@ -37,6 +38,7 @@ def from_pretrained(
     cache_dir: str | None = None,
     local_files_only: bool = False,
     rotation_piece_size: int | str = "16MB",
+    fused_loss: bool = True,
     **config_kwargs,
 ) -> PreTrainedModel:
     """Load a causal-LM checkpoint with its weights rotated across all ranks. Every rank calls it.
@@ -58,6 +60,11 @@ def from_pretrained(
             within HF_RTP_ENTRY_TIMEOUT seconds (default 60) when a rank does not make them.
         rotation_piece_size: chunks larger than this (bytes, or a string like "16MB") travel the ring
             in pieces, which bounds the rotation buffers every rank keeps (four such pieces at most).
+        fused_loss: in training, a forward with `labels` computes transformers' causal-LM loss through
+            the rotated LM head without building the [tokens, vocab] logits; its output's `logits` is
+            then None (pass `return_logits=True` to the forward to get them). Evaluation, generate and
+            forwards without labels always return logits. Families whose head the fused loss cannot
+            reproduce keep the plain loss (logged). False: always the plain loss.
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
     piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
@@ -107,6 +114,7 @@ def from_pretrained(
     if os.path.exists(os.path.join(directory, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(directory)
     bind(model, RTPState(topology, plan, resolution, sources))
+    install_forward(model, fused=fused_loss and topology.world_size > 1)
     log.info(
         f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s): "
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"

@@ -62,8 +62,10 @@ def assert_same_model(model, ref, world, rank):
 
 
 def forward_both(model, ref, batches, rank):
-    """This rank's forward, and vanilla's on every rank's batch; logits, loss and MoE aux loss compared."""
-    out = model(input_ids=batches[rank], labels=batches[rank])
+    """This rank's forward, and vanilla's on every rank's batch; logits, loss and MoE aux loss compared.
+
+    `return_logits=True`: in training a forward with labels otherwise takes the fused loss, without logits."""
+    out = model(input_ids=batches[rank], labels=batches[rank], return_logits=True)
     ref_outs = [ref(input_ids=b, labels=b) for b in batches]
     torch.testing.assert_close(out.logits, ref_outs[rank].logits, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out.loss, ref_outs[rank].loss, atol=1e-6, rtol=1e-6)  # transformers' loss is float32

@@ -1,0 +1,181 @@
+"""The fused LM-head loss on a rotated causal LM: in training, with labels, no [tokens, vocab] logits.
+
+A family qualifies when its forward, read as code, does exactly what the fused loss reproduces:
+`logits = self.lm_head(hidden_states)`, then at most the transforms `HeadTransform` knows (Cohere's
+`* self.logit_scale`, Granite's `/ self.config.logits_scaling`, Gemma 2/3's final-logit soft-capping),
+then `loss = self.loss_function(logits, labels, ...)` with transformers' ForCausalLMLoss. Everything
+else the forward does (the backbone, MoE's aux loss added to the loss, the output class) stays
+vanilla's own code. Any other head is left on the plain path, with a log line saying why.
+
+The mechanism: for the length of one forward, the head returns an empty [batch, seq, 0] tensor and
+keeps its input; the model's own transforms run on that empty tensor; its `loss_function` (replaced
+on this model) computes the loss from the kept hidden states through the ring.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import operator
+import textwrap
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from . import log
+from .layers import RotatedLinear
+from .layers.common import cast_for_matmul, local
+from .layers.fused_loss import HeadTransform, fused_cross_entropy
+
+# The transforms vanilla applies between the head and the loss, by their exact code (`logits` stands
+# for whatever the forward calls its logits): field of HeadTransform -> attribute read on the model.
+_TRANSFORMS = {
+    "logits = logits * self.logit_scale": ("multiply", "logit_scale"),
+    "logits = logits / self.config.logits_scaling": ("divide", "config.logits_scaling"),
+    "if self.config.final_logit_softcapping is not None:\n    logits = logits / self.config.final_logit_softcapping\n"
+    "    logits = torch.tanh(logits)\n    logits = logits * self.config.final_logit_softcapping": (
+        "softcap", "config.final_logit_softcapping"),
+}
+
+
+class _Renamer(ast.NodeTransformer):
+    def __init__(self, name: str):
+        self.name = name
+
+    def visit_Name(self, node):
+        return ast.Name("logits", node.ctx) if node.id == self.name else node
+
+
+def _is_self_call(node, attribute: str) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attribute
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+
+
+def _names(node) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
+    """The transforms of `model`'s head as (HeadTransform field, model attribute) pairs, and why the
+    fused loss cannot reproduce its forward (None when it can)."""
+    head = model.get_output_embeddings()
+    attribute = next((n for n, m in model.named_children() if m is head), None)
+    if not isinstance(head, RotatedLinear) or attribute is None:
+        return [], "its LM head is not a rotated linear layer of the model itself"
+    if "_loss_function" in model.__dict__ or model.loss_function is not ForCausalLMLoss:
+        return [], "its loss is not transformers' ForCausalLMLoss"
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return [], "the source of its forward is not available"
+    body = tree.body
+    at = next((i for i, s in enumerate(body) if isinstance(s, ast.Assign) and len(s.targets) == 1
+               and isinstance(s.targets[0], ast.Name) and _is_self_call(s.value, attribute)), None)
+    if at is None:
+        return [], f"its forward does not compute `logits = self.{attribute}(hidden_states)`"
+    name = body[at].targets[0].id
+    transforms, rest = [], body[at + 1:]
+    while rest and not (isinstance(rest[0], ast.If) and ast.unparse(rest[0].test) == "labels is not None"):
+        text = ast.unparse(_Renamer(name).visit(rest.pop(0)))
+        if text == "loss = None":
+            continue
+        if text not in _TRANSFORMS:
+            return [], f"its forward transforms the logits in a way the fused loss does not reproduce: `{text}`"
+        transforms.append(_TRANSFORMS[text])
+    if not rest or not rest[0].body or not (isinstance(rest[0].body[0], ast.Assign)
+                                             and _is_self_call(rest[0].body[0].value, "loss_function")):
+        return [], "its forward does not call self.loss_function(logits, labels, ...) right after the head"
+    call = rest[0].body[0].value
+    first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
+    if not (isinstance(first, ast.Name) and first.id == name):
+        return [], "its loss is not computed from the head's logits"
+    # after the loss the logits may only be returned (they come back as None)
+    for statement in rest[0].body[1:] + rest[1:]:
+        returned = isinstance(statement, ast.Return) or (
+            isinstance(statement, ast.If) and ast.unparse(statement.test) == "not return_dict")
+        if name in _names(statement) and not returned:
+            return [], f"its forward uses the logits after the loss: `{ast.unparse(statement).splitlines()[0]}`"
+    return transforms, None
+
+
+class _Capture:
+    """The head's input during one fused forward."""
+
+    def __init__(self):
+        self.hidden: torch.Tensor | None = None
+        self.active = False
+
+    def hold(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
+        return cast_for_matmul(hidden).new_empty(*hidden.shape[:-1], 0)
+
+
+def install_forward(model: nn.Module, fused: bool) -> bool:
+    """Give `model` hf_rtp's forward: it takes `return_logits=`, and with `fused` it routes the loss of
+    training forwards with labels through the fused head when the family qualifies (see the module
+    docstring). Returns whether the fused loss is on."""
+    transforms, reason = read_head(model) if fused else ([], None)
+    if fused and reason is not None:
+        log.info(f"{type(model).__name__}: the fused LM-head loss is off, because {reason}; "
+                 "the loss is computed from full logits")
+    fused = fused and reason is None
+    capture = _Capture()
+    head_name = next((n for n, m in model.named_children() if m is model.get_output_embeddings()), None)
+
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                      **kwargs):
+        if not capture.active:
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        hidden, capture.hidden, capture.active = capture.hidden, None, False
+        head = getattr(model, head_name)
+        transform = HeadTransform(**{field: operator.attrgetter(path)(model) for field, path in transforms})
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift_labels.reshape(-1).to(hidden.device)
+        keep = targets != ignore_index
+        targets = targets[keep]
+        torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(),
+                            f"labels must be {ignore_index} or lie in [0, {vocab_size})")
+        hidden = cast_for_matmul(hidden.reshape(-1, hidden.shape[-1])[keep])
+        per_token = fused_cross_entropy(hidden, local(head.weight), local(head.bias), targets, head.ring,
+                                        head.layout, transform)
+        if num_items_in_batch is None:
+            return per_token.sum() / keep.sum()  # vanilla's mean over kept tokens (nan when there are none)
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(per_token.device)
+        return per_token.sum() / num_items_in_batch
+
+    @functools.wraps(type(model).forward)  # generate and Trainer read the model's signature through it
+    def forward(self, *args, return_logits: bool = False, **kwargs):
+        plain = type(self).forward
+        if not fused or return_logits or not self.training or kwargs.get("labels") is None or kwargs.get("logits_to_keep"):
+            return plain(self, *args, **kwargs)
+        head = getattr(self, head_name)
+        if not isinstance(head, RotatedLinear):  # replaced since loading (e.g. a PEFT adapter on the head)
+            return plain(self, *args, **kwargs)
+        capture.active = True
+        head.forward = capture.hold
+        try:
+            out = plain(self, *args, **kwargs)
+        finally:
+            del head.forward
+            missed, capture.active, capture.hidden = capture.active, False, None
+        if missed:
+            raise RuntimeError(f"{type(self).__name__}.forward did not compute its loss from the LM head's output")
+        return _without_logits(out)
+
+    if fused:
+        model.loss_function = loss_function
+    model.forward = types.MethodType(forward, model)
+    return fused
+
+
+def _without_logits(out):
+    """The output with logits None (training forwards with labels never build them)."""
+    if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
+        return (out[0], None, *out[2:])
+    return type(out)(**{k: v for k, v in out.items() if k != "logits"})
