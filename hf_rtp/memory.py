@@ -29,6 +29,7 @@ from torch import nn
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 RUNTIME_BYTES = 35e6  # allocator slack, autograd graph, index tensors: measured beside the tensors on CPU
 STRATEGIES = ("single", "ddp", "fsdp2", "tp", "rtp")
+BLOCK_BYTES = 16 * 2**20  # hf_rtp.layers.fused_loss.BLOCK_BYTES, kept here so the estimate imports no layers
 
 
 def load_config(model_or_config: str):
@@ -62,9 +63,36 @@ def model_states_bytes(config, dtype: str | torch.dtype = "float32", optimizer: 
     return sum(p.numel() for p in params) * _dtype(dtype).itemsize * (2 + OPTIMIZER_STATES[optimizer])
 
 
-def saved_activation_bytes(model: nn.Module, batch: int, seq: int) -> int:
-    """Bytes autograd keeps for backward in one forward of `batch` x `seq` tokens, traced on meta."""
+class _FusedAttentionSaves(torch.autograd.Function):
+    """What a fused attention kernel (SDPA's flash and memory-efficient paths, flash-attention) keeps
+    for backward: q, k, v, the output and one float32 log-sum-exp per query, never [seq, seq] scores.
+    Traced on meta only: it computes nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None
+
+
+def _fused_attention(module, query, key, value, attention_mask, **kwargs):
+    return _FusedAttentionSaves.apply(query, key, value).transpose(1, 2), None
+
+
+def saved_activation_bytes(model: nn.Module, batch: int, seq: int, labels: bool = True,
+                           gradient_checkpointing: bool = False) -> int:
+    """Bytes autograd keeps for backward in one forward of `batch` x `seq` tokens, traced on meta.
+
+    Attention as the model runs it: eager keeps its [seq, seq] scores; SDPA and flash-attention
+    (transformers' defaults) keep only per-query statistics, which a meta trace of SDPA would not show.
+    Without `labels` the trace stops at the head's input: no logits are kept.
+    """
     from torch.multiprocessing.reductions import StorageWeakRef
+    from transformers import AttentionInterface
 
     def key(t):
         return StorageWeakRef(t.untyped_storage()).cdata
@@ -79,9 +107,23 @@ def saved_activation_bytes(model: nn.Module, batch: int, seq: int) -> int:
         return t
 
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    attention = model.config._attn_implementation
+    if attention != "eager":
+        AttentionInterface.register("hf_rtp_fused_estimate", _fused_attention)
+        model.config._attn_implementation = "hf_rtp_fused_estimate"
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if labels:
+                model(input_ids=ids, labels=ids, use_cache=False)
+            else:
+                model.base_model(input_ids=ids, use_cache=False)
+    finally:
+        model.config._attn_implementation = attention
+        if gradient_checkpointing:
+            model.gradient_checkpointing_disable()
     return sum(saved.values())
 
 
@@ -133,7 +175,7 @@ def _tp_local(model: nn.Module, world_size: int) -> int:
 
 
 def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: str | torch.dtype = "float32",
-             optimizer: str = "adamw", piece_bytes: int = 16 * 10**6) -> dict[str, float]:
+             optimizer: str = "adamw", piece_bytes: int = 16 * 10**6, gradient_checkpointing: bool = False) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size)."""
     dtype = _dtype(dtype)
     size = dtype.itemsize
@@ -142,11 +184,11 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     params = list(model.parameters())
     total = sum(p.numel() for p in params) * size
     largest = max(p.numel() for p in params) * size
-    saved = saved_activation_bytes(model, batch, seq)
+    saved = _activations(model, batch, seq, True, gradient_checkpointing)
     logits = batch * seq * config.vocab_size * size
     n = world_size
 
-    def peak(held: float, largest_local: float, activations: float) -> float:
+    def peak(held: float, largest_local: float, activations: float, logits: float = logits) -> float:
         step = (2 + k) * held + 2 * largest_local
         backward = (1 + k) * held + activations + 2 * logits
         return max(step, backward) + RUNTIME_BYTES
@@ -158,16 +200,36 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     rtp_local, rtp_largest, piece = _rtp_local(model, n, size, piece_bytes)
     pool = 0 if n == 1 else (1 if n == 2 else 2) * piece * size + 2 * piece * size  # weight + gradient slots
     tp_local = _tp_local(model, n)
+    # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
+    # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
+    fused = (_activations(model, batch, seq, False, gradient_checkpointing)
+             + batch * seq * (config.hidden_size * size + 8) + 3 * BLOCK_BYTES)
+    single = peak(total, largest, saved)
     return {
-        "single": peak(total, largest, saved),
+        "single": single,
         # gradient buckets: a second copy of every gradient (gradient_as_bucket_view=False)
-        "ddp": peak(total, largest, saved) + total,
-        # the root unit (embeddings, head) and one decoder layer unsharded, with their gradients
-        "fsdp2": max((2 + k) * total / n + 2 * largest / n, (2 + k) * total / n + 2 * root + 2 * layer) + RUNTIME_BYTES,
+        "ddp": single + total,
+        # backward: the root unit (embeddings, head) and a decoder layer unsharded beside the local
+        # batch's activations; then either the logits' gradient (at its start) or the root's unsharded
+        # gradients (at its end), whichever is larger
+        "fsdp2": max((2 + k) * total / n + 2 * largest / n,
+                     (1 + k) * total / n + root + 2 * layer + saved + max(2 * logits, root)) + RUNTIME_BYTES,
         # every rank runs the whole batch and gathers the full logits: all of its gradients coexist with them
         "tp": (2 + k) * tp_local * size + saved + 3 * logits + RUNTIME_BYTES,
-        "rtp": peak(rtp_local * size, rtp_largest * size, saved) + pool,
+        "rtp": single if n == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
+        "rtp-unfused": single if n == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
     }
+
+
+def _activations(model: nn.Module, batch: int, seq: int, labels: bool, gradient_checkpointing: bool) -> float:
+    full = saved_activation_bytes(model, batch, seq, labels)
+    if not gradient_checkpointing:
+        return full
+    # Checkpointed layers keep only their input; backward recomputes one layer at a time.
+    outside = saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=True)
+    layers = max(1, len(decoder_layers(model)))
+    inputs = layers * batch * seq * model.config.hidden_size * next(model.parameters()).dtype.itemsize
+    return outside + inputs + (full - outside) / layers
 
 
 def main(argv=None) -> dict[str, float]:

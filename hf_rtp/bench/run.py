@@ -20,13 +20,15 @@ import tempfile
 from .. import memory
 from .presets import PRESETS, make_preset
 from .processes import peak_between, run_ranks
-from .worker import STRATEGIES
+from .worker import STRATEGIES, VARIANTS
 
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     """Run one strategy on `world_size` ranks; summarise it as its worst rank."""
     worker_args = [strategy, checkpoint, "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]
+    if args.gradient_checkpointing:
+        worker_args.append("--gradient-checkpointing")
     reports = run_ranks("hf_rtp.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
     for r in reports:
         samples = r.pop("rss_samples")
@@ -89,6 +91,14 @@ def ratios(rows: list[dict]) -> list[str]:
                 o = by[(other, n)]
                 out.append(f"N={n}: rtp/{other}: memory {rtp['peak_gb'] / o['peak_gb']:.2f}x, step time "
                            f"{rtp['step_s'] / o['step_s']:.2f}x, tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x")
+        zero, unfused = by.get(("rtp-zero-loss", n)), by.get(("rtp-unfused", n))
+        if unfused:
+            out.append(f"N={n}: fused/unfused RTP: memory {rtp['peak_gb'] / unfused['peak_gb']:.2f}x, "
+                       f"step time {rtp['step_s'] / unfused['step_s']:.2f}x")
+        if zero and unfused:
+            fused_loss, plain_loss = rtp["peak_gb"] - zero["peak_gb"], unfused["peak_gb"] - zero["peak_gb"]
+            out.append(f"N={n}: loss memory (peak minus the zero-loss run): fused {fused_loss:.3f} GB, unfused "
+                       f"{plain_loss:.3f} GB ({fused_loss / plain_loss:.1%})")
     return out
 
 
@@ -99,7 +109,7 @@ def chart(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     sizes = sorted({r["world_size"] for r in rows if r["strategy"] != "single"}) or [1]
-    strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    strategies = [s for s in STRATEGIES + VARIANTS if any(r["strategy"] == s for r in rows)]
     panels = 3 if len(sizes) > 1 else 2
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     width = 0.8 / len(sizes)
@@ -145,6 +155,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--output", default="bench-out", help="folder for results.json and bench.png")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one strategy may take")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     return p.parse_args(argv)
 
 
@@ -155,9 +166,9 @@ def main(argv=None) -> dict:
     except ValueError:
         sizes = [0]
     strategies = args.strategies.split(",")
-    unknown = set(strategies) - set(STRATEGIES)
+    unknown = set(strategies) - set(STRATEGIES + VARIANTS)
     if unknown or any(n < 1 for n in sizes):
-        raise SystemExit(f"strategies must be among {', '.join(STRATEGIES)} and world sizes >= 1")
+        raise SystemExit(f"strategies must be among {', '.join(STRATEGIES + VARIANTS)} and world sizes >= 1")
     if args.device == "cuda":
         import torch
 
@@ -182,12 +193,16 @@ def main(argv=None) -> dict:
             print(f"  {strategy} on {n} rank(s) failed: {reason}", flush=True)
             failed.append({"strategy": strategy, "world_size": n, "error": str(err)[-4000:]})
             continue
-        row["estimate_gb"] = memory.estimate(config, n, batch=args.batch, seq=args.seq, dtype=args.dtype)[strategy] / 1e9
+        estimates = memory.estimate(config, n, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                                    gradient_checkpointing=args.gradient_checkpointing)
+        row["estimate_gb"] = estimates.get(strategy, float("nan")) / 1e9
         rows.append(row)
     add_efficiency(rows, states_gb)
 
     name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset
     title = f"{name}: batch {args.batch}x{args.seq} per rank, {args.dtype} AdamW, {args.device}"
+    if args.gradient_checkpointing:
+        title += ", gradient checkpointing"
     print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))
     for f in failed:
         print(f"{f['strategy']} on {f['world_size']} rank(s) failed (see results.json)")

@@ -22,13 +22,28 @@ from ..memory import STRATEGIES, decoder_layers
 from .processes import vm_rss
 
 
-def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+# RTP variants the bench runs beside the strategies: the plain loss from full logits, and a zero
+# loss that skips the head and its loss altogether (what the loss costs is the difference).
+VARIANTS = ("rtp-unfused", "rtp-zero-loss")
+
+
+def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device,
+         gradient_checkpointing: bool = False) -> nn.Module:
+    model = _load(strategy, checkpoint, dtype, device)
+    if gradient_checkpointing:
+        inner = getattr(model, "module", model)
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        inner.config.use_cache = False
+    return model
+
+
+def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    if strategy == "rtp":
+    if strategy.startswith("rtp"):
         import hf_rtp
 
-        return hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device)
+        return hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device, fused_loss=strategy == "rtp")
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
@@ -44,9 +59,16 @@ def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devic
 
 
 def train_step(model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-    loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    if strategy == "rtp":
+    if strategy == "rtp-zero-loss":
+        loss = model.model(input_ids=batch).last_hidden_state.sum() * 0
+        loss.backward()
+        for p in model.parameters():  # the head still takes its optimizer step, on a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    else:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+    if strategy.startswith("rtp"):
         import hf_rtp
 
         hf_rtp.sync_grads(model)  # replicated norms; the ring already averaged the rotated weights
@@ -57,7 +79,7 @@ def train_step(model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("strategy", choices=STRATEGIES)
+    p.add_argument("strategy", choices=STRATEGIES + VARIANTS)
     p.add_argument("checkpoint")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
@@ -66,6 +88,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--gradient-checkpointing", action="store_true")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -89,7 +112,7 @@ def main(argv=None) -> None:
     marks = {"baseline_rss": vm_rss(os.getpid()), "load_start": time.time()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = load(args.strategy, args.checkpoint, dtype, device).train()
+    model = load(args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing).train()
     marks["load_end"] = time.time()
     if device.type == "cuda":
         marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)
