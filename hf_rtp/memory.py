@@ -203,7 +203,8 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
     # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
     fused = (_activations(model, batch, seq, False, gradient_checkpointing)
-             + batch * seq * (config.hidden_size * size + 8) + 3 * BLOCK_BYTES)
+             + batch * seq * (config.hidden_size * size + 8)
+             + 3 * min(BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / n) * 4))
     single = peak(total, largest, saved)
     return {
         "single": single,
@@ -214,8 +215,9 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
         # gradients (at its end), whichever is larger
         "fsdp2": max((2 + k) * total / n + 2 * largest / n,
                      (1 + k) * total / n + root + 2 * layer + saved + max(2 * logits, root)) + RUNTIME_BYTES,
-        # every rank runs the whole batch and gathers the full logits: all of its gradients coexist with them
-        "tp": (2 + k) * tp_local * size + saved + 3 * logits + RUNTIME_BYTES,
+        # every rank runs the whole batch and gathers the full logits: their gradient and this rank's
+        # slice of it coexist with the saved activations and all of its model states
+        "tp": (2 + k) * tp_local * size + saved + logits * (1 + 1 / n) + RUNTIME_BYTES,
         "rtp": single if n == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
         "rtp-unfused": single if n == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
     }

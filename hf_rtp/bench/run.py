@@ -139,6 +139,18 @@ def chart(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _within_budget(args, checkpoint, config, runs) -> dict:
+    from . import budget
+
+    rows = budget.run(args, checkpoint, config, runs, measure)
+    print("\n" + budget.table(rows, args.budget_gb))
+    result = {"settings": vars(args), "checkpoint": checkpoint, "budget": rows}
+    with open(os.path.join(args.output, "budget.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {os.path.join(args.output, 'budget.json')}")
+    return result
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="hf-rtp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
@@ -156,6 +168,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default="bench-out", help="folder for results.json and bench.png")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one strategy may take")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--budget-gb", type=float, help="instead: each strategy's largest batch per rank within this "
+                   "many GB per rank (estimated, then measured down until it fits), and its tokens/s")
     return p.parse_args(argv)
 
 
@@ -182,6 +196,8 @@ def main(argv=None) -> dict:
 
     runs = [("single", 1)] if "single" in strategies else []
     runs += [(s, n) for n in sizes for s in strategies if s != "single"]
+    if args.budget_gb is not None:
+        return _within_budget(args, checkpoint, config, [(s, n) for s, n in runs if s != "rtp-zero-loss"])
     rows = []
     failed = []
     for strategy, n in runs:

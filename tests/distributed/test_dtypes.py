@@ -20,8 +20,10 @@ def _bf16_round_trip(ckpt, out):
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).train()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     batch = global_batch(2)[rank]
-    out_ = model(input_ids=batch, labels=batch)
-    torch.testing.assert_close(out_.logits, ref(input_ids=batch).logits, atol=2e-2, rtol=2e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=batch).logits, ref(input_ids=batch).logits, atol=2e-2, rtol=2e-2)
+    out_ = model(input_ids=batch, labels=batch)  # the fused loss, from bf16 logits as vanilla's
+    torch.testing.assert_close(out_.loss, ref(input_ids=batch, labels=batch).loss, atol=2e-2, rtol=2e-2)
     out_.loss.backward()
     hf_rtp.sync_grads(model)
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
@@ -52,7 +54,9 @@ def _autocast_matches_vanilla(checkpoints):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(input_ids=batches[rank], labels=batches[rank])
             ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
-        assert out.logits.dtype == torch.bfloat16  # as vanilla's under autocast
+        assert out.logits is None  # the fused loss, under autocast
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(input_ids=batches[rank]).logits.dtype == torch.bfloat16  # as vanilla's under autocast
         torch.testing.assert_close(out.loss, ref_losses[rank], atol=2e-3, rtol=1e-3)
         out.loss.backward()
         hf_rtp.sync_grads(model)

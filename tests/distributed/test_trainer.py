@@ -3,7 +3,9 @@
 hf_rtp attaches to the Trainer instance that moves the model to its device; the test uses Trainer
 exactly as a script would: save_steps, save_total_limit, evaluation with load_best_model_at_end,
 resume_from_checkpoint (exact at the same world size, resharded at another), save_model.
-Float64, so "equal to vanilla" can be tight (see test_equivalence).
+Float64, so "equal to vanilla" can be tight (see test_equivalence); training takes the fused LM-head
+loss, whose float32 math sums in another order than vanilla's, so weights after a few AdamW steps
+agree up to float32 rounding amplified by Adam (NOISE), where a wrong step would be off by ~lr.
 """
 
 import os
@@ -13,6 +15,10 @@ import torch
 from safetensors.torch import load_file
 from support.models import VOCAB, make_tiny
 from support.spawn import run_on_ranks
+
+# Adam's default eps (1e-8) lets float32-sized gradient differences move a weight whose gradient is
+# near zero by a visible fraction of a step: allow 0.2% of one (lr 1e-2); a wrong step is off by ~lr.
+NOISE = dict(atol=2e-5, rtol=1e-6)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -70,7 +76,7 @@ def _train_save_resume(ckpt, out):
     rotated.train()
     full = _full(rotated.model)
     for name, p in vanilla.model.named_parameters():  # both loaded the same best checkpoint at the end
-        torch.testing.assert_close(full[name], p.detach(), atol=1e-9, rtol=1e-9, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(full[name], p.detach(), **NOISE, msg=lambda m: f"{name}: {m}")
     best = os.path.basename(rotated.state.best_model_checkpoint)
     assert best == os.path.basename(vanilla.state.best_model_checkpoint)
     kept = sorted(f for f in os.listdir(os.path.join(out, "rotated")) if f.startswith("checkpoint-"))
@@ -112,7 +118,7 @@ def test_trainer_saves_resumes_and_loads_the_best_model_like_vanilla(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     out = str(tmp_path / "runs")
     vanilla, rotated, resumed, kept, best = run_on_ranks(_train_save_resume, 2, ckpt, out)[0]
-    torch.testing.assert_close(rotated, vanilla, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(rotated, vanilla, **NOISE)
     assert resumed[-2:] == rotated[-2:]  # steps 5 and 6 after resuming from checkpoint-4: exactly the same
     # save_total_limit=2 keeps the newest and the best checkpoint, as it does in vanilla
     assert kept == sorted({"checkpoint-6", best}), kept
