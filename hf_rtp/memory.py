@@ -11,9 +11,11 @@ Each strategy's peak is the larger of two moments of a training step:
             (plus what the strategy keeps unsharded);
   optimizer step: parameters, gradients and optimizer state, plus two temporaries the size of the
             largest local parameter (AdamW's per-tensor arithmetic);
-plus `RUNTIME_BYTES` for what a step holds beyond tensors. The terms and constants were checked
-against `hf-rtp bench` on the 90M Llama preset at 1, 2 and 4 ranks (see the README); they are an
-estimate, not a bound.
+plus `RUNTIME_BYTES` for what a step holds beyond tensors. RTP's estimate is for the fused LM-head
+loss (its default, no logits kept); `rtp-unfused` is for fused_loss=False. The terms and constants
+were set against `hf-rtp bench` on the 90M Llama preset (batch 2x128) and the 128k-vocabulary one
+(1x1024), and checked at shapes not used to set them (tests/unit/test_memory_estimate.py, against
+hf_rtp/bench/results); they are an estimate, not a bound.
 """
 
 from __future__ import annotations
@@ -112,18 +114,20 @@ def saved_activation_bytes(model: nn.Module, batch: int, seq: int, labels: bool 
         AttentionInterface.register("hf_rtp_fused_estimate", _fused_attention)
         model.config._attn_implementation = "hf_rtp_fused_estimate"
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # an explicit mask: without one, transformers looks for packed sequences with .item(), which meta cannot do
+            mask = torch.ones_like(ids)
             if labels:
-                model(input_ids=ids, labels=ids, use_cache=False)
+                model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
             else:
-                model.base_model(input_ids=ids, use_cache=False)
+                model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
     finally:
         model.config._attn_implementation = attention
         if gradient_checkpointing:
-            model.gradient_checkpointing_disable()
+            model.activation_checkpointing_disable()
     return sum(saved.values())
 
 
@@ -242,14 +246,22 @@ def main(argv=None) -> dict[str, float]:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
+    p.add_argument("--attn-implementation", help="as transformers' attn_implementation (default: the config's, "
+                   "else sdpa); eager keeps [seq, seq] attention scores for backward, the fused kernels do not")
     args = p.parse_args(argv)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
     config = load_config(args.model)
-    result = estimate(config, args.world_size, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer)
+    if args.attn_implementation:
+        config._attn_implementation = args.attn_implementation
+    result = estimate(config, args.world_size, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,
+                      gradient_checkpointing=args.gradient_checkpointing)
     states = model_states_bytes(config, args.dtype, args.optimizer)
     print(f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
           f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)")
     for strategy, value in result.items():
-        print(f"  {strategy:<7} {value / 1e9:7.3f} GB per rank" + ("   (1 process)" if strategy == "single" else ""))
+        note = {"single": "   (1 process)", "rtp": "   (fused LM-head loss, the default)",
+                "rtp-unfused": "   (from_pretrained(..., fused_loss=False))"}.get(strategy, "")
+        print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
     return result

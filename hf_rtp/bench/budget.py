@@ -34,7 +34,11 @@ def run(args, checkpoint: str, config, runs: list[tuple[str, int]], measure) -> 
         batch, row = largest_batch(config, strategy, n, args), None
         while batch >= 1:
             print(f"running {strategy} on {n} rank(s) at batch {batch} x {args.seq} ...", flush=True)
-            measured = measure(strategy, checkpoint, n, argparse.Namespace(**{**vars(args), "batch": batch}))
+            try:
+                measured = measure(strategy, checkpoint, n, argparse.Namespace(**{**vars(args), "batch": batch}))
+            except RuntimeError as err:  # e.g. TP when the heads do not divide by N: report it, run the rest
+                print(f"  {strategy} on {n} rank(s) failed: {str(err).strip().splitlines()[-1]}", flush=True)
+                break
             if measured["peak_gb"] <= args.budget_gb:
                 row = dict(measured, batch=batch)
                 break

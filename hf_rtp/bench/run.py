@@ -183,6 +183,9 @@ def main(argv=None) -> dict:
     unknown = set(strategies) - set(STRATEGIES + VARIANTS)
     if unknown or any(n < 1 for n in sizes):
         raise SystemExit(f"strategies must be among {', '.join(STRATEGIES + VARIANTS)} and world sizes >= 1")
+    if args.warmup < 1 or args.steps < 1:
+        # AdamW allocates its moments in the first step: a peak taken before the second would miss them
+        raise SystemExit("--warmup and --steps must each be at least 1: the first step allocates the optimizer state")
     if args.device == "cuda":
         import torch
 

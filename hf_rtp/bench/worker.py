@@ -32,7 +32,7 @@ def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devic
     model = _load(strategy, checkpoint, dtype, device)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         inner.config.use_cache = False
     return model
 

@@ -65,10 +65,16 @@ def _blocks(tokens: int, rows: int):
     return [(b, min(b + size, tokens)) for b in range(0, tokens, size)]
 
 
-def _target(targets: torch.Tensor, start: int, end: int):
-    """Which tokens' targets lie in rows [start, end), and their column there (clamped when not)."""
+def _piece_blocks(h: torch.Tensor, targets: torch.Tensor, rows, piece, transform: HeadTransform):
+    """For each block of tokens: its bounds, its logits over rows [start, end) of the vocabulary, which
+    of its targets lie in those rows, and their column there (clamped where they do not)."""
+    start, end = rows
+    if start == end:
+        return
     inside = (targets >= start) & (targets < end)
-    return inside, (targets - start).clamp_(0, end - start - 1).unsqueeze(1)
+    column = (targets - start).clamp_(0, end - start - 1).unsqueeze(1)
+    for b0, b1 in _blocks(h.shape[0], end - start):
+        yield b0, b1, _logits(h[b0:b1], piece, transform), inside[b0:b1], column[b0:b1]
 
 
 class _FusedCrossEntropyFn(torch.autograd.Function):
@@ -79,15 +85,9 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
         picked = torch.zeros(tokens, dtype=torch.float32, device=h.device)
 
         def compute(rows, piece):
-            start, end = rows
-            if start == end:
-                return
-            inside, column = _target(targets, start, end)
-            for b0, b1 in _blocks(tokens, end - start):
-                z = _logits(h[b0:b1], piece, transform)
+            for b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
                 lse[b0:b1] = torch.logaddexp(lse[b0:b1], torch.logsumexp(z, dim=1))
-                here = z.gather(1, column[b0:b1]).squeeze(1)
-                picked[b0:b1] = torch.where(inside[b0:b1], here, picked[b0:b1])
+                picked[b0:b1] = torch.where(inside, z.gather(1, column).squeeze(1), picked[b0:b1])
 
         bundle = [weight] if bias is None else [weight, bias]
         with torch.autocast(h.device.type, enabled=False):
@@ -101,21 +101,15 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
         h, weight, bias, targets, lse = ctx.saved_tensors
         ring, layout, transform = ctx.ring, ctx.layout, ctx.transform
         grad_loss = grad_loss.float()
-        tokens = h.shape[0]
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
         def through_piece(rows, piece, acc):
             """Recompute this piece's logits block by block; add to grad_h and to the travelling `acc`."""
-            start, end = rows
-            if start == end:
-                return
-            inside, column = _target(targets, start, end)
-            for b0, b1 in _blocks(tokens, end - start):
-                z = _logits(h[b0:b1], piece, transform)
+            for b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
                 g = grad_loss[b0:b1]
                 dz = torch.exp(z - lse[b0:b1, None]).mul_(g[:, None])  # softmax * upstream grad
-                dz.scatter_add_(1, column[b0:b1], -(g * inside[b0:b1]).unsqueeze(1))  # minus the one-hot target
+                dz.scatter_add_(1, column, -(g * inside).unsqueeze(1))  # minus the one-hot target
                 dl = transform.backward(dz, z).to(h.dtype)
                 if acc is not None:
                     add_matmul(acc[0], dl.t(), h[b0:b1])

@@ -51,8 +51,24 @@ def test_bench_refuses_bad_arguments(tmp_path):
         ["--strategies", "ddp,zero3"],
         ["--world-sizes", "0"],
         ["--world-sizes", "two"],
+        ["--warmup", "0", "--steps", "1"],  # a peak before the second step would miss AdamW's moments
     ]
     for args in bad:
         done = subprocess.run([sys.executable, "-m", "hf_rtp", "bench", "--output", str(tmp_path), *args],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and "Traceback" not in done.stderr, (args, done.stderr[-2000:])
+
+
+def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(tmp_path):
+    out = tmp_path / "out"
+    budget = 0.1  # GB per rank: the tiny preset's estimates put DDP at 4 sequences of 128, RTP at 8
+    cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2", "--strategies",
+           "ddp,rtp", "--budget-gb", str(budget), "--warmup", "1", "--steps", "1", "--output", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["strategy"]: r for r in json.loads((out / "budget.json").read_text())["budget"]}
+    for strategy, r in rows.items():
+        assert 1 <= r["batch"] and 0 < r["peak_gb"] <= budget, (strategy, r["batch"], r["peak_gb"])
+        assert abs(r["tokens_per_s"] - 2 * r["batch"] * 128 / r["step_s"]) < 1e-6 * r["tokens_per_s"]
+    assert rows["rtp"]["batch"] > rows["ddp"]["batch"]  # 1/N of the model states leaves room for more tokens
+    assert f"within {budget} GB per rank" in done.stdout
