@@ -92,7 +92,9 @@ def test_save_state_load_state_round_trip_exactly_and_reshard(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     out, reference = str(tmp_path / "state"), str(tmp_path / "reference.safetensors")
     vanilla, rotated, resumed, uninterrupted, epoch = run_on_ranks(_round_trip, 2, ckpt, out, reference)[0]
-    torch.testing.assert_close(rotated, vanilla, atol=1e-9, rtol=1e-9)  # the same training as accelerate's DDP
+    # the same training as accelerate's DDP, up to float32 rounding: the fused LM-head loss sums its
+    # float32 softmax in another order than vanilla's, and AdamW (eps 1e-8) amplifies that a little
+    torch.testing.assert_close(rotated, vanilla, atol=1e-5, rtol=1e-5)
     assert resumed == uninterrupted  # exactly: weights, AdamW moments, scheduler and every rank's RNG
     files = sorted(os.listdir(out))
     # accelerate still saves what it can (the vanilla model it also prepared is model 0); the rotated one is ours
