@@ -155,7 +155,8 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
         if not fused or return_logits or not self.training or kwargs.get("labels") is None or kwargs.get("logits_to_keep"):
             return plain(self, *args, **kwargs)
         head = getattr(self, head_name)
-        if not isinstance(head, RotatedLinear):  # replaced since loading (e.g. a PEFT adapter on the head)
+        # replaced since loading: a PEFT adapter on the head, a user's own loss_function
+        if not isinstance(head, RotatedLinear) or self.__dict__.get("_loss_function") is not loss_function:
             return plain(self, *args, **kwargs)
         capture.active = True
         head.forward = capture.hold

@@ -194,3 +194,16 @@ def test_heads_it_cannot_reproduce_keep_the_plain_loss(caplog):
     assert "ForCausalLMLoss" in read_head(custom)[1]
     plain = AutoModelForCausalLM.from_config(config)  # a head that is not rotated (a ring of one)
     assert "not a rotated linear" in read_head(plain)[1]
+
+
+def test_a_loss_function_set_after_loading_gets_the_logits():
+    """A user's own loss (label smoothing, say) set on the model later must see real logits, not the
+    fused path's empty stand-in."""
+    model, ref = _pair("llama")
+    ids, labels = _batch()
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().logsumexp(-1).mean()
+    ref.loss_function = model.loss_function
+    with torch.no_grad():
+        out, expected = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, expected.loss)
