@@ -3,9 +3,10 @@
 The head's vocabulary pieces already travel the ring past every rank's own hidden states. Forward
 folds each piece into a running log-sum-exp and picks the target logit where the piece holds it;
 backward walks the ring again, recomputes each piece's logits, and turns them into the hidden-state
-gradient and into the travelling gradient of that piece of the head. Tokens go in blocks, so at most
-[token block, piece rows] logits exist at once. No collective: each rank's loss is its own batch's,
-and the head's gradient arrives home summed over ranks, as for any rotated weight.
+gradient and into the travelling gradient of that piece of the head. Each piece is cut into tiles of
+tokens x rows, so at most one tile of logits (16 MiB on a CPU) exists at once. No collective: each
+rank's loss is its own batch's, and the head's gradient arrives home summed over ranks, as for any
+rotated weight.
 
 The math is transformers' ForCausalLMLoss: logits in the head's compute dtype, the family's own
 transform (`HeadTransform`) in that dtype too, then float32 for the softmax.
@@ -24,7 +25,17 @@ from ..sharding import ChunkLayout
 from .common import add_matmul, finish_weight_grads
 
 BLOCK_BYTES = 16 * 2**20
-"""float32 logits one block may hold: tokens per block = BLOCK_BYTES / (4 * piece rows)"""
+"""float32 logits one tile may hold on a CPU: a few cache-sized tiles"""
+ACCELERATOR_BLOCK_BYTES = 256 * 2**20
+"""... and on an accelerator, where a tile must be large enough that its matmul, not the launches of its
+dozen elementwise kernels, sets the time (measured on an H200: hf_rtp/bench/cuda_loss.py)"""
+
+
+ROW_ALIGN = 64
+
+
+def block_bytes(device: torch.device) -> int:
+    return BLOCK_BYTES if device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
 
 
 @dataclass(frozen=True)
@@ -60,21 +71,33 @@ def _logits(h: torch.Tensor, piece, transform: HeadTransform) -> torch.Tensor:
     return transform.forward(F.linear(h, *(t.to(h.dtype) for t in piece))).float()
 
 
-def _blocks(tokens: int, rows: int):
-    size = max(1, min(tokens, BLOCK_BYTES // (4 * max(1, rows))))
-    return [(b, min(b + size, tokens)) for b in range(0, tokens, size)]
+def _tiles(tokens: int, rows: int, elements: int) -> list[tuple[int, int, int, int]]:
+    """(row start, row end, token start, token end) tiles of at most `elements` logits, as square as the
+    shape allows: a tile that is one token block wide re-reads the whole piece of the head per block
+    (at 128k rows on a ring of one that is 32 tokens per read of 0.5 GB). Widths are multiples of
+    ROW_ALIGN: the logits' row stride is the width, and cuBLAS falls back to kernels several times
+    slower when it is not a multiple of 8 (seen on an H200: 21845 rows ran at 1/3 of 16384's speed)."""
+    if rows == 0:
+        return []
+    wide = min(rows, max(math.isqrt(elements), elements // max(1, tokens), 1))
+    if wide < rows:
+        wide = max(ROW_ALIGN, wide // ROW_ALIGN * ROW_ALIGN)
+    tall = max(1, min(tokens, elements // wide))
+    return [(r, min(r + wide, rows), b, min(b + tall, tokens))
+            for r in range(0, rows, wide) for b in range(0, tokens, tall)]
 
 
 def _piece_blocks(h: torch.Tensor, targets: torch.Tensor, rows, piece, transform: HeadTransform):
-    """For each block of tokens: its bounds, its logits over rows [start, end) of the vocabulary, which
-    of its targets lie in those rows, and their column there (clamped where they do not)."""
+    """For each tile of tokens x rows of this piece: its bounds (rows relative to the piece), its logits,
+    which of its tokens' targets lie in its rows, and their column there (clamped where they do not)."""
     start, end = rows
-    if start == end:
-        return
-    inside = (targets >= start) & (targets < end)
-    column = (targets - start).clamp_(0, end - start - 1).unsqueeze(1)
-    for b0, b1 in _blocks(h.shape[0], end - start):
-        yield b0, b1, _logits(h[b0:b1], piece, transform), inside[b0:b1], column[b0:b1]
+    elements = block_bytes(h.device) // 4
+    for r0, r1, b0, b1 in _tiles(h.shape[0], end - start, elements):
+        t = targets[b0:b1]
+        inside = (t >= start + r0) & (t < start + r1)
+        column = (t - (start + r0)).clamp_(0, r1 - r0 - 1).unsqueeze(1)
+        z = _logits(h[b0:b1], [p[r0:r1] for p in piece], transform)
+        yield r0, r1, b0, b1, z, inside, column
 
 
 class _FusedCrossEntropyFn(torch.autograd.Function):
@@ -85,7 +108,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
         picked = torch.zeros(tokens, dtype=torch.float32, device=h.device)
 
         def compute(rows, piece):
-            for b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
+            for _, _, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
                 lse[b0:b1] = torch.logaddexp(lse[b0:b1], torch.logsumexp(z, dim=1))
                 picked[b0:b1] = torch.where(inside, z.gather(1, column).squeeze(1), picked[b0:b1])
 
@@ -106,17 +129,17 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
 
         def through_piece(rows, piece, acc):
             """Recompute this piece's logits block by block; add to grad_h and to the travelling `acc`."""
-            for b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
+            for r0, r1, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
                 g = grad_loss[b0:b1]
-                dz = torch.exp(z - lse[b0:b1, None]).mul_(g[:, None])  # softmax * upstream grad
+                dz = (z - lse[b0:b1, None]).exp_().mul_(g[:, None])  # softmax * upstream grad
                 dz.scatter_add_(1, column, -(g * inside).unsqueeze(1))  # minus the one-hot target
                 dl = transform.backward(dz, z).to(h.dtype)
                 if acc is not None:
-                    add_matmul(acc[0], dl.t(), h[b0:b1])
+                    add_matmul(acc[0][r0:r1], dl.t(), h[b0:b1])
                     if bias is not None:
-                        acc[1].add_(dl.sum(0).to(acc[1].dtype))
+                        acc[1][r0:r1].add_(dl.sum(0).to(acc[1].dtype))
                 if grad_h is not None:
-                    grad_h[b0:b1].addmm_(dl, piece[0].to(h.dtype))
+                    grad_h[b0:b1].addmm_(dl, piece[0][r0:r1].to(h.dtype))
 
         bundle = [weight] if bias is None else [weight, bias]
         # The whole block's work happens where the weights are held: in `accumulate` when the head

@@ -1,8 +1,8 @@
 """The fused LM-head loss on a ring of one, against transformers' own loss in the same process.
 
 The head is a RotatedLinear on a ring of one (no process group), so the fused path's math runs
-exactly as on N ranks minus the transfers; tokens are cut into blocks of 3 so the running
-log-sum-exp crosses block boundaries. Head weights are scaled up so that soft-capping and logit
+exactly as on N ranks minus the transfers; logits are cut into small tiles so the running
+log-sum-exp crosses tile boundaries. Head weights are scaled up so that soft-capping and logit
 scaling change the loss visibly. Multi-rank pieces are covered by tests/distributed/test_fused_loss.py
 and the zoo.
 """
@@ -70,7 +70,22 @@ def _assert_same_grads(model, ref):
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(fused_loss, "BLOCK_BYTES", 4 * VOCAB * 3)  # 3 tokens per block
+    # tiles of 17 rows x 17 tokens: the running log-sum-exp crosses row and token boundaries
+    monkeypatch.setattr(fused_loss, "BLOCK_BYTES", 4 * VOCAB * 3)
+    monkeypatch.setattr(fused_loss, "ROW_ALIGN", 1)
+
+
+@pytest.mark.parametrize("tokens, rows, elements", [(18, 101, 303), (1024, 7812, 4 * 2**20), (3072, 128256, 2**26),
+                                                    (5, 3, 9), (1, 128256, 2**22), (0, 10, 4)])
+def test_tiles_cover_every_logit_once_in_aligned_widths(tokens, rows, elements, monkeypatch):
+    monkeypatch.setattr(fused_loss, "ROW_ALIGN", 64)
+    seen = torch.zeros(rows, tokens, dtype=torch.int32)
+    tiles = fused_loss._tiles(tokens, rows, elements)
+    for r0, r1, b0, b1 in tiles:
+        seen[r0:r1, b0:b1] += 1
+        assert (r1 - r0) * (b1 - b0) <= max(elements, r1 - r0)  # one token of a piece wider than a tile
+        assert r1 == rows or (r1 - r0) % fused_loss.ROW_ALIGN == 0
+    assert (seen == 1).all()
 
 
 # llama: plain; gemma2: soft-capping (and a tied head); cohere: * logit_scale; granite: / logits_scaling;
