@@ -29,7 +29,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from . import log
 from .layers import RotatedLinear
 from .layers.common import cast_for_matmul, local
-from .layers.fused_loss import HeadTransform, fused_cross_entropy
+from .layers.fused_loss import HeadTransform, fused_cross_entropy, fused_token_stats
 
 # The transforms vanilla applies between the head and the loss, by their exact code (`logits` stands
 # for whatever the forward calls its logits): field of HeadTransform -> attribute read on the model.
@@ -66,7 +66,8 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
     attribute = next((n for n, m in model.named_children() if m is head), None)
     if not isinstance(head, RotatedLinear) or attribute is None:
         return [], "its LM head is not a rotated linear layer of the model itself"
-    if "_loss_function" in model.__dict__ or model.loss_function is not ForCausalLMLoss:
+    own = model.__dict__.get("_loss_function")
+    if own is not None and not getattr(own, "hf_rtp_fused", False) or own is None and model.loss_function is not ForCausalLMLoss:
         return [], "its loss is not transformers' ForCausalLMLoss"
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward))).body[0]
@@ -114,6 +115,17 @@ class _Capture:
         return cast_for_matmul(hidden).new_empty(*hidden.shape[:-1], 0)
 
 
+def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-100, stats=False):
+    """Per-token -log p(target) of `hidden` [tokens, hidden] through `model`'s rotated head and its
+    `transforms` (from `read_head`); with `stats`, also (entropy, is_top1) as `fused_token_stats`."""
+    head = model.get_output_embeddings()
+    transform = HeadTransform(**{field: operator.attrgetter(path)(model) for field, path in transforms})
+    torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(),
+                        f"labels must be {ignore_index} or lie in [0, {vocab_size})")
+    fn = fused_token_stats if stats else fused_cross_entropy
+    return fn(cast_for_matmul(hidden), local(head.weight), local(head.bias), targets, head.ring, head.layout, transform)
+
+
 def install_forward(model: nn.Module, fused: bool) -> bool:
     """Give `model` hf_rtp's forward: it takes `return_logits=`, and with `fused` it routes the loss of
     training forwards with labels through the fused head when the family qualifies (see the module
@@ -131,18 +143,12 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
         if not capture.active:
             return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         hidden, capture.hidden, capture.active = capture.hidden, None, False
-        head = getattr(model, head_name)
-        transform = HeadTransform(**{field: operator.attrgetter(path)(model) for field, path in transforms})
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = shift_labels.reshape(-1).to(hidden.device)
         keep = targets != ignore_index
-        targets = targets[keep]
-        torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(),
-                            f"labels must be {ignore_index} or lie in [0, {vocab_size})")
-        hidden = cast_for_matmul(hidden.reshape(-1, hidden.shape[-1])[keep])
-        per_token = fused_cross_entropy(hidden, local(head.weight), local(head.bias), targets, head.ring,
-                                        head.layout, transform)
+        per_token = token_losses(model, hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep], vocab_size,
+                                 transforms, ignore_index)
         if num_items_in_batch is None:
             return per_token.sum() / keep.sum()  # vanilla's mean over kept tokens (nan when there are none)
         if torch.is_tensor(num_items_in_batch):
@@ -170,6 +176,7 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
         return _without_logits(out)
 
     if fused:
+        loss_function.hf_rtp_fused = True  # ForCausalLMLoss through the ring: read_head accepts it
         model.loss_function = loss_function
     model.forward = types.MethodType(forward, model)
     return fused

@@ -13,6 +13,7 @@ is not patched:
 - _load_from_checkpoint / _load_best_model: each rank reads its own rows of the saved weights.
 
 A PEFT model's adapters are replicated, so Trainer's own main-process adapter save stays.
+TRL trainers also get hf_rtp's fused LM head (integrations.trl).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..checkpoint.load import load_into
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..log import warning
 from ..state import state_of
+from . import trl
 from .accelerate import check_processes
 
 STATE_DIR = "hf_rtp_state"
@@ -57,6 +59,7 @@ def adopt(trainer, model) -> None:
         return
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))
+    trl.adopt(trainer)  # SFTTrainer's fused LM head, installed after this __init__ step, through the ring
     trainer._hf_rtp_adopted = True
 
 

@@ -101,37 +101,75 @@ def _piece_blocks(h: torch.Tensor, targets: torch.Tensor, rows, piece, transform
 
 
 class _FusedCrossEntropyFn(torch.autograd.Function):
+    """Per-token -log p(target); with `stats`, also each token's entropy (with its gradient, as TRL's
+    kernel has one) and whether the target is the first argmax (TRL's `is_top1`)."""
+
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform):
-        tokens = h.shape[0]
-        lse = torch.full((tokens,), -math.inf, dtype=torch.float32, device=h.device)
-        picked = torch.zeros(tokens, dtype=torch.float32, device=h.device)
+    def forward(ctx, h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform, stats: bool):
+        ctx.set_materialize_grads(False)  # an entropy logged but not trained on costs no backward term
+        tokens, device = h.shape[0], h.device
+        lse = torch.full((tokens,), -math.inf, dtype=torch.float32, device=device)
+        picked = torch.zeros(tokens, dtype=torch.float32, device=device)
+        if stats:
+            # sums of exp(z - best) and exp(z - best) * z under the running max `best`, rescaled as it
+            # grows (TRL's kernel does the same): exact rescale factors, unlike a running lse's
+            sum_e = torch.zeros(tokens, dtype=torch.float32, device=device)
+            sum_ez = torch.zeros(tokens, dtype=torch.float32, device=device)
+            best = torch.full((tokens,), -math.inf, dtype=torch.float32, device=device)
+            best_at = torch.zeros(tokens, dtype=torch.long, device=device)
 
         def compute(rows, piece):
-            for _, _, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
-                lse[b0:b1] = torch.logaddexp(lse[b0:b1], torch.logsumexp(z, dim=1))
+            for r0, _, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
+                before = lse[b0:b1]
+                after = torch.logaddexp(before, torch.logsumexp(z, dim=1))
+                if stats:
+                    value, at = z.max(dim=1)  # the first maximal column, as argmax
+                    at += rows[0] + r0
+                    old = best[b0:b1]
+                    # pieces arrive in ring order, not vocabulary order: a tie goes to the lower index
+                    take = (value > old) | ((value == old) & (at < best_at[b0:b1]))
+                    new = torch.maximum(old, value)
+                    e = (z - new[:, None]).exp_()
+                    rescale = torch.exp(old - new)
+                    sum_e[b0:b1] = sum_e[b0:b1] * rescale + e.sum(1)
+                    sum_ez[b0:b1] = sum_ez[b0:b1] * rescale + e.mul_(z).sum(1)
+                    best_at[b0:b1] = torch.where(take, at, best_at[b0:b1])
+                    best[b0:b1] = new
+                lse[b0:b1] = after
                 picked[b0:b1] = torch.where(inside, z.gather(1, column).squeeze(1), picked[b0:b1])
 
         bundle = [weight] if bias is None else [weight, bias]
-        with torch.autocast(h.device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False):
             ring.forward_walk(bundle, layout, compute)
-        ctx.save_for_backward(h, weight, bias, targets, lse)
+        entropy = best + sum_e.log() - sum_ez / sum_e if stats else None
+        top1 = best_at == targets if stats else None
+        ctx.save_for_backward(h, weight, bias, targets, lse, entropy)
         ctx.ring, ctx.layout, ctx.transform = ring, layout, transform
-        return lse - picked
+        if not stats:
+            return lse - picked
+        ctx.mark_non_differentiable(top1)
+        return lse - picked, entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        h, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_entropy=None, _grad_top1=None):
+        h, weight, bias, targets, lse, entropy = ctx.saved_tensors
         ring, layout, transform = ctx.ring, ctx.layout, ctx.transform
-        grad_loss = grad_loss.float()
+        # every rank walks the ring whatever its gradients are: its neighbours walk too
+        grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.float()
+        grad_entropy = None if grad_entropy is None else grad_entropy.float()
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
         def through_piece(rows, piece, acc):
-            """Recompute this piece's logits block by block; add to grad_h and to the travelling `acc`."""
+            """Recompute this piece's logits tile by tile; add to grad_h and to the travelling `acc`."""
             for r0, r1, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
                 g = grad_loss[b0:b1]
-                dz = (z - lse[b0:b1, None]).exp_().mul_(g[:, None])  # softmax * upstream grad
+                dz = (z - lse[b0:b1, None]).exp_()  # softmax
+                if grad_entropy is None:
+                    dz.mul_(g[:, None])
+                else:  # d entropy / dz = -p * (log p + entropy), as TRL's kernel computes it
+                    log_p = z - lse[b0:b1, None]
+                    dz.mul_(g[:, None] - grad_entropy[b0:b1, None] * log_p.add_(entropy[b0:b1, None]))
                 dz.scatter_add_(1, column, -(g * inside).unsqueeze(1))  # minus the one-hot target
                 dl = transform.backward(dz, z).to(h.dtype)
                 if acc is not None:
@@ -142,7 +180,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                     grad_h[b0:b1].addmm_(dl, piece[0][r0:r1].to(h.dtype))
 
         bundle = [weight] if bias is None else [weight, bias]
-        # The whole block's work happens where the weights are held: in `accumulate` when the head
+        # The whole tile's work happens where the weights are held: in `accumulate` when the head
         # trains (the gradient must be complete before it is sent on), else in `input_grad`.
         with torch.autocast(h.device.type, enabled=False):
             landed = ring.backward_walk(
@@ -152,9 +190,14 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                 (lambda rows, piece: None) if wants_weight_grad else (lambda rows, piece: through_piece(rows, piece, None)),
             )
         grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring.size)
-        return grad_h, grad_weight, grad_bias, None, None, None, None
+        return grad_h, grad_weight, grad_bias, None, None, None, None, None
 
 
 def fused_cross_entropy(h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform) -> torch.Tensor:
     """Per-token -log p(target) (float32) of hidden states `h` [tokens, hidden] through a rotated head."""
-    return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform)
+    return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, False)
+
+
+def fused_token_stats(h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform):
+    """(-log p(target), entropy, target is the first argmax) per token, all float32 but the last (bool)."""
+    return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, True)

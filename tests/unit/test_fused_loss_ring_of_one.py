@@ -56,7 +56,7 @@ def _batch(seed=3):
     return ids, labels
 
 
-def _assert_same_grads(model, ref):
+def _assert_same_grads(model, ref, noise=FLOAT32_NOISE):
     """Equal up to float32 rounding (the loss math is float32 in both, summed in another order): with
     logits of several units that is ~1e-6 of a gradient's scale (vanilla's own distance to a float64
     loss is the same size), where a wrong term is off by the whole scale."""
@@ -64,7 +64,7 @@ def _assert_same_grads(model, ref):
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         expected = theirs[name].grad
-        torch.testing.assert_close(p.grad, expected, atol=FLOAT32_NOISE * expected.abs().max().item(), rtol=GRAD_RTOL,
+        torch.testing.assert_close(p.grad, expected, atol=noise * expected.abs().max().item(), rtol=GRAD_RTOL,
                                    msg=lambda m: f"{name}: {m}")
 
 
