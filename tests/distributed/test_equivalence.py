@@ -46,7 +46,10 @@ CASES = [
 # test_zoo.py runs these exact cases (one file, untied where the family allows, 2 and 3 ranks) with
 # greedy generate and bf16 besides; here stay the tied, split, world-1 and stored-format variants
 IN_THE_ZOO = {"llama-untied-single-2", "llama-untied-single-3", "gpt2-single-2", "gpt2-single-3", "mixtral-single-2"}
-CASES = [case for case in CASES if case.id not in IN_THE_ZOO]
+# At 3 ranks one file is the zoo's case and split files are the harder load (uneven chunks across
+# files): kept for gpt2, mixtral and tied llama (also in pieces); dropped where a kept case covers it
+COVERED_AT_THREE = {"llama-tied-single-3", "mixtral-single-3", "llama-untied-split-3"}
+CASES = [case for case in CASES if case.id not in IN_THE_ZOO | COVERED_AT_THREE]
 
 
 def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save, piece_size):

@@ -30,8 +30,9 @@ def _generate_like_vanilla(ckpt):
     return out[:, 5 + rank :].tolist()
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+# 3 ranks for mixtral only (rotated experts and uneven lengths); the zoo generates with llama and gpt2 at 3
+@pytest.mark.parametrize("arch, world_size", [(a, n) for a in ("llama", "gpt2", "mixtral") for n in (1, 2)]
+                         + [("mixtral", 3)])
 def test_generate_matches_vanilla(tmp_path, arch, world_size):
     ckpt = make_tiny(arch, tmp_path / "ckpt")
     generated = run_on_ranks(_generate_like_vanilla, world_size, ckpt)

@@ -1,6 +1,7 @@
 """The recipe under torchrun with one rank killed or stopped at a named point (HF_RTP_FAULT): the live
 rank fails within its timeout with a message naming the likely cause, and the last checkpoint loads."""
 
+import contextlib
 import os
 import re
 import signal
@@ -35,7 +36,8 @@ def _torchrun(out, *extra, fault=None, cause=None):
                 time.sleep(0.2)
             seconds = time.monotonic() - start
         finally:
-            if job.poll() is None:
+            # the whole session, even after torchrun exits: a SIGSTOPped rank it left would stay behind
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.pid, signal.SIGKILL)
             job.wait()
         err.seek(0)

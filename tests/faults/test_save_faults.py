@@ -2,6 +2,7 @@
 or the complete new checkpoint at every instant; a loader never gets a mix of the two."""
 
 import os
+import shutil
 import time
 
 import pytest
@@ -42,15 +43,26 @@ def _vanilla_sum(out):
     return sum(float(p.detach().sum()) for p in model.parameters())
 
 
-@pytest.fixture
-def old_and_new(tmp_path):
-    ckpt = make_tiny_llama(tmp_path / "ckpt")
-    out = str(tmp_path / "out")
-    run_on_ranks(_save, 2, ckpt, out, 0.0)  # the old checkpoint: the original weights
-    old = _vanilla_sum(out)
-    reference = str(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """The old checkpoint (the original weights, saved by hf_rtp) and the sum the new one must have:
+    two 2-rank saves, made once for the module (tests only read `ckpt`)."""
+    root = tmp_path_factory.mktemp("saved")
+    ckpt = make_tiny_llama(root / "ckpt")
+    pristine = str(root / "old")
+    run_on_ranks(_save, 2, ckpt, pristine, 0.0)
+    reference = str(root / "reference")
     run_on_ranks(_save, 2, ckpt, reference, 0.5)  # what the new one must be
-    return ckpt, out, old, _vanilla_sum(reference)
+    return ckpt, pristine, _vanilla_sum(pristine), _vanilla_sum(reference)
+
+
+@pytest.fixture
+def old_and_new(saved_once, tmp_path):
+    """A fresh copy of the old checkpoint for each test to save over."""
+    ckpt, pristine, old, new = saved_once
+    out = str(tmp_path / "out")
+    shutil.copytree(pristine, out)
+    return ckpt, out, old, new
 
 
 def test_killed_mid_commit_the_next_load_finishes_it_and_nothing_loads_a_mix(old_and_new):
