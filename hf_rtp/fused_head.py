@@ -66,8 +66,8 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
     attribute = next((n for n, m in model.named_children() if m is head), None)
     if not isinstance(head, RotatedLinear) or attribute is None:
         return [], "its LM head is not a rotated linear layer of the model itself"
-    own = model.__dict__.get("_loss_function")
-    if own is not None and not getattr(own, "hf_rtp_fused", False) or own is None and model.loss_function is not ForCausalLMLoss:
+    own = model.__dict__.get("_loss_function")  # set on this model: by hf_rtp (accepted) or by its user
+    if not (getattr(own, "hf_rtp_fused", False) or own is None and model.loss_function is ForCausalLMLoss):
         return [], "its loss is not transformers' ForCausalLMLoss"
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward))).body[0]

@@ -18,8 +18,6 @@ import functools
 import sys
 import types
 
-import torch
-
 from .. import log
 from ..fused_head import read_head, token_losses
 from ..state import is_rotated

@@ -164,12 +164,11 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
             """Recompute this piece's logits tile by tile; add to grad_h and to the travelling `acc`."""
             for r0, r1, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
                 g = grad_loss[b0:b1]
-                dz = (z - lse[b0:b1, None]).exp_()  # softmax
+                log_p = z - lse[b0:b1, None]
                 if grad_entropy is None:
-                    dz.mul_(g[:, None])
+                    dz = log_p.exp_().mul_(g[:, None])  # softmax * upstream grad
                 else:  # d entropy / dz = -p * (log p + entropy), as TRL's kernel computes it
-                    log_p = z - lse[b0:b1, None]
-                    dz.mul_(g[:, None] - grad_entropy[b0:b1, None] * log_p.add_(entropy[b0:b1, None]))
+                    dz = log_p.exp().mul_(g[:, None] - grad_entropy[b0:b1, None] * log_p.add_(entropy[b0:b1, None]))
                 dz.scatter_add_(1, column, -(g * inside).unsqueeze(1))  # minus the one-hot target
                 dl = transform.backward(dz, z).to(h.dtype)
                 if acc is not None:
