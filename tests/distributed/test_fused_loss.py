@@ -60,6 +60,19 @@ def _fused_against_vanilla(ckpt):
         again = model(input_ids=batches[rank], labels=batches[rank]).loss
     torch.testing.assert_close(again, expected.loss, atol=1e-6, rtol=1e-6)
 
+    # a rank whose batch is all prompt (every label ignored) still walks the ring with the others, and
+    # contributes nothing: the gradient is DDP's with that rank's loss 0 under Trainer's global count
+    model.zero_grad(), ref.zero_grad()
+    prompts_only = [_labels(batches[0]), torch.full_like(batches[1], -100)]
+    count = (prompts_only[0][:, 1:] != -100).sum()
+    out = model(input_ids=batches[rank], labels=prompts_only[rank], num_items_in_batch=count)
+    out.loss.backward()
+    hf_rtp.sync_grads(model)
+    ref_losses = [ref(input_ids=b, labels=l, num_items_in_batch=count).loss for b, l in zip(batches, prompts_only)]
+    torch.testing.assert_close(out.loss, ref_losses[rank], atol=1e-6, rtol=1e-6)
+    torch.stack(ref_losses).mean().backward()
+    assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
     plain = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, fused_loss=False).train()
     with torch.no_grad():
         unfused = plain(input_ids=batches[rank], labels=batches[rank])
