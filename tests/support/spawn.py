@@ -22,7 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, env, results):
+def _worker(rank, world_size, port, fn, args, inherited, env, results):
+    os.environ.clear()  # the fork server's environment is from its own start: take the test's as of now
+    os.environ.update(inherited)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -64,12 +66,24 @@ def run_on_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: f
                 raise
 
 
+def _context():
+    """A fork server that has imported torch once: each rank then starts as a fork of it rather than a
+    fresh interpreter importing torch again (a few seconds per rank on CI's two cores). Only torch is
+    preloaded: transformers and huggingface_hub read HF_HOME and the like at import, which tests set
+    per run, so every rank still imports those itself under the environment `_worker` gives it."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
 def _run_once(fn, world_size, args, env, timeout, survivors=None):
     wanted = tuple(range(world_size)) if survivors is None else survivors
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, env, results)) for r in range(world_size)]
+    inherited = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, inherited, env, results))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     outcome = {}
