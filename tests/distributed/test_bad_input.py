@@ -134,7 +134,7 @@ def test_dead_rank_is_an_error_within_the_timeout(tmp_path):
     port = spawn.free_port()
     env = {"HF_RTP_TIMEOUT": "10"}
     procs = [
-        ctx.Process(target=spawn._worker, args=(r, 2, port, _rank1_dies_after_loading, (ckpt,), env, results))
+        ctx.Process(target=spawn._worker, args=(r, 2, port, _rank1_dies_after_loading, (ckpt,), dict(os.environ), env, results))
         for r in range(2)
     ]
     for p in procs:
