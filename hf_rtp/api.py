@@ -31,6 +31,7 @@ def from_pretrained(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     device_mesh: DeviceMesh | None = None,
+    rtp_size: int | None = None,
     plan: plans.Plan | str | None = None,
     timeout: float | timedelta | None = None,
     revision: str | None = None,
@@ -52,7 +53,13 @@ def from_pretrained(
     Args:
         dtype: "auto" (the checkpoint's config.dtype, as transformers does) or a torch dtype.
         device: where parameters live; default this rank's GPU (LOCAL_RANK) if CUDA is present, else CPU.
-        device_mesh: a 1-D mesh over all ranks to rotate on; made for you by default.
+        device_mesh: the ranks to rotate on, made for you by default: a 1-D mesh over all ranks (one
+            ring), or a 2-D mesh with dims named ("dp", "rtp"), whose every row is a ring.
+        rtp_size: ranks per ring (default: all ranks, one flat ring). A divisor K of the world size
+            lays the ranks out as world/K data-parallel replicas of K-rank rings, each ring of
+            contiguous ranks (under torchrun, inside a node): every rank holds 1/K of each rotated
+            weight, and each gradient is still DDP's mean over all ranks' batches. 1: plain data
+            parallel, nothing rotated.
         plan: what to rotate. Default: the plan registered for config.model_type. A Plan, the
             model_type of a registered plan, or "auto" (rotate every Linear, Conv1D and Embedding).
         timeout: seconds (or timedelta) any collective hf_rtp issues may wait before failing; default
@@ -68,7 +75,7 @@ def from_pretrained(
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
     piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
-    topology = setup(device, device_mesh, timeout)
+    topology = setup(device, device_mesh, timeout, rtp_size)
     topology.ring.piece_bytes = piece_bytes
     check_accelerate_state(topology.world_size)  # an Accelerator that runs undistributed: fail before loading
     directory, commit = resolve_directory(
@@ -114,9 +121,11 @@ def from_pretrained(
     if os.path.exists(os.path.join(directory, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(directory)
     bind(model, RTPState(topology, plan, resolution, sources))
-    install_forward(model, fused=fused_loss and topology.world_size > 1)
+    install_forward(model, fused=fused_loss and topology.rtp_size > 1)
     log.info(
-        f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s): "
+        f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s)"
+        + (f" as {topology.dp_size} replicas of {topology.rtp_size}-rank rings" if topology.dp_size > 1 else "")
+        + ": "
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
     )
     return model.eval()  # as transformers' from_pretrained does

@@ -1,4 +1,10 @@
-"""Process groups and the 1-D `rtp` device mesh, from torchrun, accelerate or a single process.
+"""Process groups and the `rtp` rings, from torchrun, accelerate or a single process.
+
+Ranks form rings of `rtp_size` (default: all ranks, one flat ring). With smaller rings the ranks
+are laid out as a 2-D ("dp", "rtp") grid: each row is one ring holding the whole model in 1/rtp_size
+chunks (contiguous global ranks, so under torchrun a ring stays inside a node), and the rows are
+data-parallel replicas of each other. A rotated parameter is a DTensor on its row's 1-D `rtp` mesh;
+its gradient is summed by the ring and then averaged over the replicas of its column (Ring.replicas).
 
 hf_rtp never communicates on the world group: whoever made that (accelerate and Trainer give it
 30 minutes), every collective hf_rtp issues runs on a group of its own that carries hf_rtp's
@@ -50,20 +56,38 @@ class RotationMesh(DeviceMesh):
 @dataclass
 class Topology:
     rank: int
+    """global rank"""
     world_size: int
+    """all ranks, every replica"""
     device: torch.device
     mesh: DeviceMesh | None
+    """this rank's ring as a 1-D `rtp` mesh (rotated DTensors live on it); None for a ring of one"""
     ring: Ring
     control: dist.ProcessGroup | None = None
-    """gloo, hf_rtp's timeout: error agreement and small objects"""
+    """gloo over all ranks, hf_rtp's timeout: error agreement and small objects"""
     entry: dist.ProcessGroup | None = None
-    """gloo, the short entry timeout: where collective calls meet"""
+    """gloo over all ranks, the short entry timeout: where collective calls meet"""
     entry_timeout: timedelta = DEFAULT_ENTRY_TIMEOUT
+    group: dist.ProcessGroup | None = None
+    """all ranks, hf_rtp's timeout and the device's backend: replicated gradients are averaged here"""
+    dp_rank: int = 0
+    """which replica (row of the grid) this rank belongs to"""
+    dp_size: int = 1
 
     @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The group replicated gradients and gathers use (the mesh's); None at world size 1."""
-        return None if self.mesh is None else self.mesh.get_group()
+    def rtp_rank(self) -> int:
+        """This rank's place in its ring: which chunk of every rotated parameter it holds."""
+        return self.ring.rank
+
+    @property
+    def rtp_size(self) -> int:
+        """Ranks per ring: rotated parameters are cut into this many chunks."""
+        return self.ring.size
+
+    @property
+    def is_writer(self) -> bool:
+        """The one rank that writes a gathered checkpoint: ring rank 0 of the first replica."""
+        return self.dp_rank == 0 and self.ring.rank == 0
 
     def enter(self, call: str) -> None:
         """Meet every other rank at the start of a collective `call`, or fail on every rank that came.
@@ -132,8 +156,9 @@ def setup(
     device: str | torch.device | None = None,
     device_mesh: DeviceMesh | None = None,
     timeout: float | timedelta | None = None,
+    rtp_size: int | None = None,
 ) -> Topology:
-    """Join (or start) the process group the launcher describes and build the `rtp` mesh and ring."""
+    """Join (or start) the process group the launcher describes and build the rings and their meshes."""
     device = resolve_device(device)
     timeout = as_timedelta(timeout, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT)
     entry_timeout = as_timedelta(None, "HF_RTP_ENTRY_TIMEOUT", DEFAULT_ENTRY_TIMEOUT)
@@ -146,6 +171,7 @@ def setup(
     if not dist.is_initialized():
         if device_mesh is not None:
             raise TopologyError("a device_mesh was given but torch.distributed is not initialised")
+        rings(None, rtp_size, 1)  # validates rtp_size
         return Topology(0, 1, device, None, Ring(None))
 
     world = dist.get_world_size()
@@ -154,26 +180,88 @@ def setup(
             f"the launcher says WORLD_SIZE={launched} but the initialised process group has {world} ranks; "
             "start every rank with the same launcher settings (torchrun --nproc_per_node, accelerate --num_processes)"
         )
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise TopologyError(f"hf_rtp needs a 1-D device mesh, got one with dims {device_mesh.mesh_dim_names}")
-        if device_mesh.size() != world:
-            raise TopologyError(
-                f"the device mesh has {device_mesh.size()} ranks but the process group has {world}; "
-                "hf_rtp rotates across every rank: pass a mesh over all ranks, or none"
-            )
     if world == 1:
+        rings(device_mesh, rtp_size, 1)  # validates
         return Topology(0, 1, device, None, Ring(None))
-    ranks = tuple(device_mesh.mesh.flatten().tolist()) if device_mesh is not None else tuple(range(world))
-    backend = dist.get_backend()
-    # Four groups, made once per set of ranks (new_group is itself collective): the ring's own (I5),
-    # the mesh's collectives, and two small gloo ones for agreement and for meeting at entry.
-    ring = Ring(_group("ring", ranks, backend, timeout))
-    mesh = DeviceMesh.from_group(_group("mesh", ranks, backend, timeout), device.type, mesh_dim_names=("rtp",))
-    mesh.__class__ = RotationMesh
-    control = _group("control", ranks, "gloo", timeout)
-    entry = _group("entry", ranks, "gloo", entry_timeout)
-    return Topology(dist.get_rank(), world, device, mesh, ring, control, entry, entry_timeout)
+    everyone, backend, rank = tuple(range(world)), dist.get_backend(), dist.get_rank()
+    control = _group("control", everyone, "gloo", timeout)
+    rows, error = None, None
+    try:
+        rows = rings(device_mesh, rtp_size, world)
+    except TopologyError as err:
+        error = err
+    raise_if_any_failed(error, control, TopologyError)  # one rank's bad layout is everyone's error, not a hang
+    _agree_on_rings(rows, control)  # before any group of a ring: ranks asking for other groups would hang
+    # Groups are made once per set of ranks, every rank making every group in one order (new_group is
+    # collective over the world): per ring its own group for the ring (I5) and one for its mesh; per
+    # column of the grid one to average rotated gradients over replicas; over everyone one for
+    # replicated gradients and two small gloo ones for agreement and for meeting at entry.
+    columns = [tuple(column) for column in zip(*rows)]
+    ring_groups = {row: _group("ring", row, backend, timeout) for row in rows if len(row) > 1}
+    mesh_groups = {row: _group("mesh", row, backend, timeout) for row in rows if len(row) > 1}
+    replica_groups = {c: _group("replicas", c, backend, timeout) for c in columns if len(c) > 1}
+    world_group = _group("mesh", everyone, backend, timeout)  # the flat ring's mesh group: same ranks, same group
+    entry = _group("entry", everyone, "gloo", entry_timeout)
+    dp_rank, row = next((i, row) for i, row in enumerate(rows) if rank in row)
+    column = columns[row.index(rank)]
+    ring, mesh = Ring(ring_groups.get(row)), None
+    ring.replicas, ring.replica_count = replica_groups.get(column), len(column)
+    if len(row) > 1:
+        mesh = DeviceMesh.from_group(mesh_groups[row], device.type, mesh_dim_names=("rtp",))
+        mesh.__class__ = RotationMesh
+        mesh.replicas, mesh.replica_count = ring.replicas, ring.replica_count
+    return Topology(rank, world, device, mesh, ring, control, entry, entry_timeout, world_group, dp_rank, len(rows))
+
+
+def rings(device_mesh: DeviceMesh | None, rtp_size: int | None, world: int) -> list[tuple[int, ...]]:
+    """The rings, as rows of global ranks: from `device_mesh` (1-D: one ring; 2-D ("dp", "rtp"): one ring
+    per row), else `rtp_size` contiguous ranks each (default all ranks, one flat ring)."""
+    if rtp_size is not None and (isinstance(rtp_size, bool) or not isinstance(rtp_size, int) or rtp_size < 1):
+        raise TopologyError(f"rtp_size must be a positive number of ranks per ring, got {rtp_size!r}")
+    if device_mesh is None:
+        size = world if rtp_size is None else rtp_size
+        if world % size:
+            raise TopologyError(
+                f"rtp_size={size} does not divide the {world} ranks: every ring must be whole. Pick a divisor of "
+                f"the world size ({', '.join(str(k) for k in range(1, world + 1) if world % k == 0)})"
+            )
+        return [tuple(range(start, start + size)) for start in range(0, world, size)]
+    if device_mesh.ndim == 1:
+        rows = [tuple(device_mesh.mesh.tolist())]
+        if len(rows[0]) != world:
+            raise TopologyError(
+                f"the device mesh has {device_mesh.size()} ranks but the process group has {world}; a 1-D mesh is one "
+                "ring over every rank: pass a mesh over all ranks, a 2-D mesh named ('dp', 'rtp'), or rtp_size="
+            )
+    elif device_mesh.ndim == 2 and tuple(device_mesh.mesh_dim_names or ()) == ("dp", "rtp"):
+        rows = [tuple(row) for row in device_mesh.mesh.tolist()]
+    else:
+        raise TopologyError(
+            f"hf_rtp needs a 1-D mesh or a 2-D one with dims named ('dp', 'rtp'), got dims "
+            f"{device_mesh.mesh_dim_names} of shape {tuple(device_mesh.mesh.shape)}"
+        )
+    if sorted(r for row in rows for r in row) != list(range(world)):
+        raise TopologyError(f"the device mesh must hold every one of the {world} ranks exactly once, got {rows}")
+    if rtp_size is not None and rtp_size != len(rows[0]):
+        raise TopologyError(f"rtp_size={rtp_size} contradicts the device mesh, whose rings have {len(rows[0])} ranks")
+    return rows
+
+
+def _agree_on_rings(rows: list[tuple[int, ...]], control: dist.ProcessGroup) -> None:
+    everyone: list = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(everyone, rows, group=control)
+    except RuntimeError as err:
+        raise TopologyError(
+            f"rank {dist.get_rank()} could not agree on the rings with the other ranks ({str(err).splitlines()[0][:200]}): "
+            "every rank must call from_pretrained"
+        ) from err
+    if any(theirs != rows for theirs in everyone):
+        layouts = sorted({str([len(r) for r in theirs]) for theirs in everyone})
+        raise TopologyError(
+            f"ranks asked for different rings ({', '.join(layouts)} ranks per ring): pass the same rtp_size or "
+            "device_mesh on every rank"
+        )
 
 
 def _group(role: str, ranks: tuple, backend: str, timeout: timedelta) -> dist.ProcessGroup:

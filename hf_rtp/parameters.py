@@ -4,7 +4,8 @@ DTensor's autograd assumes SPMD, every rank computing on the same data: the back
 `full_tensor()` (a redistribute to Replicate) merely slices the incoming gradient, so a rank's
 chunk would receive only its own batch's gradient. Under RTP each rank has its own batch, so the
 gradient of a gathered rotated weight must be the mean over ranks, as DDP's is. This class gives
-`full_tensor()` exactly that backward (sum over ranks, then this rank's rows, divided by N) and
+`full_tensor()` exactly that backward (sum over all ranks, then this rank's rows, divided by their
+number; on a 2-D grid the sum runs over the ring, then over the replicas of this rank's rows) and
 refuses the other redistributions under autograd, where there is no data-parallel answer.
 """
 
@@ -36,10 +37,14 @@ class _DataParallelGather(torch.autograd.Function):
         mesh = ctx.mesh
         group = mesh.get_group()
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)  # the sum over every rank's batch
+        dist.all_reduce(grad, group=group)  # the sum over the ring's batches
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         start, end = chunk_rows(ctx.shape[0], world, rank)
-        local = grad[start:end].div_(world)
+        local = grad[start:end].contiguous()
+        replicas = getattr(mesh, "replicas", None)  # on a 2-D grid: and over the other replicas' batches
+        if replicas is not None:
+            dist.all_reduce(local, group=replicas)
+        local.div_(world * getattr(mesh, "replica_count", 1))
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=ctx.shape, stride=ctx.stride)
 
 

@@ -73,8 +73,8 @@ class BufferPool:
 
 
 class _Pending:
-    def __init__(self, works):
-        self._works = works
+    def __init__(self, works, what: str = "waited for its ring neighbour"):
+        self._works, self._what = works, what
 
     def wait(self) -> None:
         try:
@@ -82,7 +82,7 @@ class _Pending:
                 work.wait()
         except RuntimeError as err:  # gloo/NCCL say "timed out" or "connection closed", never why
             raise CollectiveMisuseError(
-                "a rotated layer waited for its ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT) or lost it: "
+                f"a rotated layer {self._what} past hf_rtp's timeout (HF_RTP_TIMEOUT) or lost a rank: "
                 "some rank stopped, crashed, or skipped a forward or backward that every rank must run "
                 f"({type(err).__name__}: {err})"
             ) from err
@@ -106,12 +106,18 @@ class Ring:
             # gloo's batched path has been seen to hang, so it uses plain isend/irecv.
             self._batched = dist.get_backend(group) == "nccl"
         self.pool = BufferPool()
+        # On a 2-D grid, this ring's rank in every other replica: the same chunk, other data
+        self.replicas: dist.ProcessGroup | None = None
+        self.replica_count = 1
+        # Bytes this rank sent to its neighbour and all-reduced over its replicas: what hf_rtp/cost.py models
+        self.sent_bytes = self.reduced_bytes = 0
 
     def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> _Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
         sends = [(t, tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
+        self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
         if self._batched:
             ops = [dist.P2POp(dist.isend, t.contiguous(), self._next, self.group, k) for t, k in sends]
             ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, k) for t, k in recvs]
@@ -162,7 +168,9 @@ class Ring:
 
         `accumulate(rows, piece, acc)` adds this rank's gradient for those rows into `acc`, an
         accumulator that travels with the piece: after N hops it arrives home holding the sum over
-        all ranks, so rotated weights need no all-reduce. Weights rotate only when `input_grad` is
+        the ring's ranks, so a flat ring needs no all-reduce. On a 2-D grid each piece that comes
+        home is then summed over the replicas (an all-reduce of this rank's rows only), started at
+        once so it runs while the next piece walks; the sum over every rank is returned. Weights rotate only when `input_grad` is
         given (an embedding needs none; `piece` is then None); `input_grad(rows, piece)` runs while
         the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
         gradients at all.
@@ -180,6 +188,7 @@ class Ring:
         # The last hop brings each piece of this rank's complete gradient home into fresh memory:
         # it becomes `.grad`, so it must not live in the shared pool.
         home = [like.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
+        summing = []
         for p in range(pieces):
             index = self.rank
             held = self._own_piece(own, layout, layout.piece(index, p, pieces))
@@ -212,8 +221,16 @@ class Ring:
                 if grads_pending is not None:
                     grads_pending.wait()
                     acc = landing
+                    if last and self.replicas is not None:
+                        summing += [dist.all_reduce(t, group=self.replicas, async_op=True) for t in landing if t.numel()]
+                        self.reduced_bytes += sum(t.numel() * t.element_size() for t in landing)
                 index = following
+        _Pending(summing, "waited for the other replicas' gradients").wait()
         return home
+
+    def mean(self, summed: torch.Tensor) -> torch.Tensor:
+        """DDP's mean, in place, from a gradient summed over every rank (backward_walk's)."""
+        return summed.div_(self.size * self.replica_count)
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.

@@ -21,7 +21,7 @@ def _rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topolog
 
 def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.Tensor], topology: Topology) -> None:
     """Replace every parameter of `model` by the loaded one, and rotated modules by their rotated op."""
-    rotate = topology.world_size > 1
+    rotate = topology.rtp_size > 1  # rings of one (rtp_size=1): plain data parallel
     shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
     params: dict[str, nn.Parameter] = {}
     for name, tensor in tensors.items():

@@ -48,7 +48,7 @@ def ignore_rotated_in_ddp(module: nn.Module) -> None:
 def sync_grads(model: nn.Module) -> None:
     """Average replicated parameters' gradients over all ranks, as DDP would, in one all-reduce per dtype.
 
-    Rotated parameters already hold the mean (the ring reduced them). Call it after backward in a
+    Rotated parameters already hold the mean (the ring, and on a 2-D grid the replicas, reduced them). Call it after backward in a
     plain loop; under DDP or `accelerator.prepare` the wrapper does this instead, so do not call both.
     """
     state = state_of(model, required=False)

@@ -58,7 +58,7 @@ def untie_stored_apart(model: nn.Module, entries: dict[str, TensorEntry], topolo
 def _same_rows(a: TensorEntry, b: TensorEntry, topology: Topology) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    rows = chunk_rows(a.shape[0], topology.world_size, topology.rank) if a.shape else (None, None)
+    rows = chunk_rows(a.shape[0], topology.rtp_size, topology.rtp_rank) if a.shape else (None, None)
     step = max(1, (64 << 20) // max(a.row_bytes, 1))  # compare in 64 MB slices: no whole copy of the head
     start, end = rows if rows[0] is not None else (0, a.shape[0] if a.shape else 1)
     for first in range(start, end, step):
@@ -88,8 +88,8 @@ def wants_for(
         if name in targets:
             continue
         rows = None
-        if topology.world_size > 1 and name in resolution.rotated_params:
-            rows = chunk_rows(param.shape[0], topology.world_size, topology.rank)
+        if topology.rtp_size > 1 and name in resolution.rotated_params:
+            rows = chunk_rows(param.shape[0], topology.rtp_size, topology.rtp_rank)
         # a name no stored tensor provides reads under its own name, which reports it missing
         wants[name] = Want(param.shape, rows, sources.get(name) or own(name, param.shape))
     return wants, {name: want.source for name, want in wants.items()}

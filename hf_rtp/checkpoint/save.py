@@ -1,8 +1,9 @@
 """save_pretrained / push_to_hub for rotated models: what vanilla transformers writes, gathered tensor by tensor.
 
-Every rank calls it. Rank 0 of the `rtp` mesh writes; rotated tensors reach it one at a time
-(its dim-0 chunks streamed from their owners), so rank 0 holds at most two foreign chunks
-beyond its own parameters, never a whole tensor, let alone the model (I7).
+Every rank calls it. Ring rank 0 of the first replica writes (Topology.is_writer); rotated tensors
+reach it one at a time (dim-0 chunks streamed from their owners in its ring), so it holds at most
+two foreign chunks beyond its own parameters, never a whole tensor, let alone the model (I7).
+The other replicas hold the same chunks and only wait for the verdict.
 Files are staged in a hidden folder and committed as atomic.commit_save describes: at every instant
 the folder holds the complete old or the complete new checkpoint (finished by the next hf_rtp load
 or save when a crash hit the commit itself), never a mix.
@@ -92,14 +93,16 @@ def _stored_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, _Store
     return out
 
 
-def _pieces_on_rank0(stored: _Stored, topology: Topology):
-    """The stored tensor as consecutive dim-0 pieces on rank 0 (streamed, never concatenated)."""
+def _pieces_on_writer(stored: _Stored, topology: Topology):
+    """The stored tensor as consecutive dim-0 pieces on the writer (streamed, never concatenated).
+
+    Only the writer's ring collects: the other replicas hold the same chunks and send nothing."""
     tensor, (start, end) = stored.tensor, stored.rows
-    if isinstance(tensor, DTensor):
-        layout = ChunkLayout((tensor.shape,), topology.world_size)
+    if isinstance(tensor, DTensor) and topology.dp_rank == 0:
+        layout = ChunkLayout((tensor.shape,), topology.rtp_size)
         pieces = topology.ring.collect(tensor.to_local(), layout, stored.rows)
     else:
-        pieces = iter([tensor[start:end]] if topology.rank == 0 else [])
+        pieces = iter([tensor[start:end]] if topology.is_writer else [])
     return pieces if stored.cols is None else (piece[:, stored.cols] for piece in pieces)
 
 
@@ -125,10 +128,11 @@ def save_pretrained(
     variant: str | None = None,
     **kwargs,
 ):
-    """Write a standard Hugging Face checkpoint. Collective: every rank calls it; rank 0 writes.
+    """Write a standard Hugging Face checkpoint. Collective: every rank calls it; one rank writes.
 
-    `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always rank 0
-    of the rotation mesh, because every rank must take part in gathering the rotated tensors. Called
+    `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always ring rank 0
+    of the first replica (global rank 0 unless a device_mesh orders ranks otherwise), because every
+    rank of its ring must take part in gathering the rotated tensors. Called
     on some ranks only (`if accelerator.is_main_process:`), it fails on them within the entry
     timeout with a CollectiveMisuseError instead of waiting.
     """
@@ -148,7 +152,7 @@ def save_pretrained(
     save_directory = os.fspath(save_directory)
     if os.path.isfile(save_directory):
         raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
-    writer_rank = topology.rank == 0
+    writer_rank = topology.is_writer
 
     tensors = _stored_tensors(model, _tensors_to_save(model, state_dict))
     names = sorted(tensors)  # vanilla splits files in sorted name order; same order, same files
@@ -167,9 +171,9 @@ def save_pretrained(
     staging, error = None, None
 
     def attempt(step):
-        """Run one of rank 0's file steps unless an earlier one failed; remember the first failure.
+        """Run one of the writer's file steps unless an earlier one failed; remember the first failure.
 
-        The transfers go on regardless, so no rank is left waiting for a rank 0 that gave up.
+        The transfers go on regardless, so no rank is left waiting for a writer that gave up.
         """
         nonlocal error
         if error is None:
@@ -189,7 +193,7 @@ def save_pretrained(
                 layout = [(n, tensors[n].tensor.dtype, tensors[n].shape) for n in shard]
                 writer = attempt(lambda: StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"}))
             for name in shard:
-                parts = _pieces_on_rank0(tensors[name], topology)
+                parts = _pieces_on_writer(tensors[name], topology)
                 if writer is not None:
                     attempt(lambda: (faults.point("save.write"), writer.write(name, parts)))
                 for _ in parts:  # drain what a failed write left unread
@@ -245,7 +249,7 @@ def push(
     save_directory: str | os.PathLike | None = None,
     **kwargs,
 ):
-    """push_to_hub: save (collectively) into a folder, then rank 0 uploads it with huggingface_hub."""
+    """push_to_hub: save (collectively) into a folder, then the rank that wrote it uploads it with huggingface_hub."""
     topology: Topology = state_of(model).topology
     topology.enter("push_to_hub")
     for name in sorted(kwargs):
@@ -258,7 +262,7 @@ def push(
     try:
         save_pretrained(model, folder, max_shard_size=max_shard_size)
         result, error = None, None
-        if topology.rank == 0:
+        if topology.is_writer:  # the rank that wrote the folder
             try:
                 result = upload_folder(folder, repo_id, commit_message, private, token, create_pr, revision)
             except Exception as err:

@@ -40,13 +40,13 @@ def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Te
     return [weight] if bias is None else [weight, bias]
 
 
-def finish_weight_grads(ctx, landed, world_size: int, positions=(1, 2)) -> list[torch.Tensor | None]:
-    """Turn the summed accumulators that came home into DDP's mean, one per rotated input.
+def finish_weight_grads(ctx, landed, ring, positions=(1, 2)) -> list[torch.Tensor | None]:
+    """Turn the summed accumulators that came home into DDP's mean (Ring.mean), one per rotated input.
 
     `positions` are the Function inputs the accumulators belong to (weight 1 and bias 2 for most
     ops); a grad is None where that input wants none (frozen, absent).
     """
     return [
-        landed[i].div_(world_size) if landed is not None and i < len(landed) and ctx.needs_input_grad[p] else None
+        ring.mean(landed[i]) if landed is not None and i < len(landed) and ctx.needs_input_grad[p] else None
         for i, p in enumerate(positions)
     ]

@@ -53,7 +53,7 @@ class _RotatedConv1DFn(torch.autograd.Function):
             accumulate if ctx.needs_input_grad[1] else None,
             input_grad if grad_x is not None else None,
         )
-        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring.size)
+        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring)
         return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, None, None
 
 

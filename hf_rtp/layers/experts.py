@@ -131,7 +131,7 @@ class _RotatedExpertsFn(torch.autograd.Function):
             expert_grads if wants_weight_grads else None,
             input_grad,  # always: both the weight and the input grads need the held weights
         )
-        grads = finish_weight_grads(ctx, landed, experts.ring.size, positions=range(5, 5 + len(weights)))
+        grads = finish_weight_grads(ctx, landed, experts.ring, positions=range(5, 5 + len(weights)))
         return grad_hidden, None, grad_weights, None, None, *grads
 
 

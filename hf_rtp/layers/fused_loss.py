@@ -188,7 +188,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                 through_piece if wants_weight_grad else None,
                 (lambda rows, piece: None) if wants_weight_grad else (lambda rows, piece: through_piece(rows, piece, None)),
             )
-        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring.size)
+        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring)
         return grad_h, grad_weight, grad_bias, None, None, None, None, None
 
 

@@ -56,7 +56,7 @@ class _RotatedLinearFn(torch.autograd.Function):
             accumulate if wants_weight_grad else None,
             input_grad if grad_x is not None else None,
         )
-        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring.size)
+        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring)
         return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None
 
 

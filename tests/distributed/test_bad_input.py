@@ -86,8 +86,8 @@ def _topology_errors(ckpt):
 
     errors = []
     dist.init_process_group("gloo")
-    mesh_2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "rtp"))
-    for mesh in (mesh_2d, mesh_2d["dp"]):
+    mesh_2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replica", "shard"))  # a 2-D mesh must say which dim rings
+    for mesh in (mesh_2d, mesh_2d["replica"]):
         try:
             hf_rtp.from_pretrained(ckpt, device_mesh=mesh)
         except hf_rtp.TopologyError as err:
@@ -104,7 +104,7 @@ def test_world_size_disagreeing_with_mesh_or_launcher(tmp_path):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     for errors in run_on_ranks(_topology_errors, 2, ckpt):
         assert len(errors) == 3
-        assert "needs a 1-D device mesh" in errors[0]
+        assert "needs a 1-D mesh or a 2-D one with dims named ('dp', 'rtp'), got dims ('replica', 'shard')" in errors[0]
         assert "the device mesh has 1 ranks but the process group has 2" in errors[1]
         assert "WORLD_SIZE=3 but the initialised process group has 2 ranks" in errors[2]
 

@@ -72,3 +72,26 @@ def forward_both(model, ref, batches, rank):
     if getattr(out, "aux_loss", None) is not None:  # MoE load balancing, from the replicated router
         torch.testing.assert_close(out.aux_loss, ref_outs[rank].aux_loss, atol=ATOL, rtol=RTOL)
     return out, ref_outs
+
+
+def adamw(*models):
+    return [torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1) for m in models]
+
+
+def step_both(model, ref, optimizers, batches, rank):
+    """One optimizer step of this rank's batch, and of vanilla's on all of them; gradients compared
+    before it and parameters after it, this rank's rows of rotated ones (on its ring)."""
+    import hf_rtp
+    from hf_rtp.state import state_of
+
+    topology = state_of(model).topology
+    out, ref_outs = forward_both(model, ref, batches, rank)
+    float64_loss(out, batches[rank], ref.config).backward()
+    hf_rtp.sync_grads(model)
+    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()
+    assert_matches(model, ref, topology.rtp_size, topology.rtp_rank, "grad")
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_matches(model, ref, topology.rtp_size, topology.rtp_rank, "param", atol=STEP_ATOL)
+    return out.loss.item()
