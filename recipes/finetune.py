@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--no_bf16", action="store_true", help="on GPU, train without bf16 autocast")
     p.add_argument("--push_to_hub", metavar="REPO", help="upload output_dir/final to this Hub repo at the end")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rtp_size", type=int, help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, "
+                   "data parallel across nodes)")
     return p.parse_args(argv)
 
 
@@ -84,7 +86,9 @@ def main(argv=None):
         else:
             blocks, eval_blocks = split_eval(blocks, 0.05, args.seed)
 
-    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=accelerator.device)
+    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=accelerator.device, rtp_size=args.rtp_size)
+    topology = hf_rtp.state_of(model).topology
+    log0(accelerator, f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = model

@@ -51,6 +51,8 @@ def main(argv=None):
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rtp_size", type=int, help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, "
+                   "data parallel across nodes)")
     p.add_argument("--save_steps", type=int, default=0, help="write output_dir/checkpoint-N every N steps")
     p.add_argument("--resume_from_checkpoint", help="a checkpoint-N folder this recipe wrote")
     args = p.parse_args(argv)
@@ -82,7 +84,7 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         blocks = pack(load_texts(args.dataset or default_train), tokenizer, args.seq_len)
 
-    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=training_args.device)
+    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=training_args.device, rtp_size=args.rtp_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=Blocks(blocks), processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = os.path.join(args.output_dir, "final")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.models import global_batch, make_tiny_llama, tiny_llama_config
+from support.models import fake_hub_cache, global_batch, make_tiny_llama, tiny_llama_config
 from support.spawn import run_on_ranks
 from transformers import AutoModelForCausalLM
 
@@ -159,19 +159,6 @@ def test_config_differing_on_one_rank_is_named(tmp_path):
         assert "rank 1 differs from rank 0 in config" in message
 
 
-def _fake_hub_cache(root, repo, commits):
-    """A huggingface_hub cache holding `commits` ({hash: checkpoint folder}) of `repo`, refs/main -> the last."""
-    import shutil
-
-    base = os.path.join(root, "models--" + repo.replace("/", "--"))
-    for commit, folder in commits.items():
-        shutil.copytree(folder, os.path.join(base, "snapshots", commit))
-    os.makedirs(os.path.join(base, "refs"), exist_ok=True)
-    with open(os.path.join(base, "refs", "main"), "w") as f:
-        f.write(list(commits)[-1])
-    return root
-
-
 def _load_from_cache(caches):
     rank = int(os.environ["RANK"])
     os.environ["LOCAL_RANK"] = "0"  # each rank is the first of its own node, with its own cache
@@ -185,13 +172,13 @@ def _load_from_cache(caches):
 def test_hub_revision_is_chosen_once_by_rank_0_for_nodes_with_their_own_caches(tmp_path):
     old, new = make_tiny_llama(tmp_path / "old", seed=0), make_tiny_llama(tmp_path / "new", seed=1)
     commit_old, commit_new = "a" * 40, "b" * 40
-    cache0 = _fake_hub_cache(str(tmp_path / "c0"), "org/tiny", {commit_old: old})
-    cache1 = _fake_hub_cache(str(tmp_path / "c1"), "org/tiny", {commit_old: old, commit_new: new})  # main moved on
+    cache0 = fake_hub_cache(str(tmp_path / "c0"), "org/tiny", {commit_old: old})
+    cache1 = fake_hub_cache(str(tmp_path / "c1"), "org/tiny", {commit_old: old, commit_new: new})  # main moved on
     loaded = run_on_ranks(_load_from_cache, 2, [cache0, cache1])
     expected = load_file(os.path.join(old, "model.safetensors"))["model.norm.weight"].sum().item()
     assert loaded == [pytest.approx(expected)] * 2  # rank 1 read rank 0's commit, not its own main
 
-    cache2 = _fake_hub_cache(str(tmp_path / "c2"), "org/tiny", {commit_new: new})  # lacks rank 0's commit
+    cache2 = fake_hub_cache(str(tmp_path / "c2"), "org/tiny", {commit_new: new})  # lacks rank 0's commit
     for message in run_on_ranks(_load_from_cache, 2, [cache0, cache2]):
         assert f"at revision {commit_old} (the commit rank 0 resolved) is not in this rank's cache" in message
         assert "rank 1 failed" in message or message.startswith("'org/tiny'")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -90,3 +91,14 @@ def tiny_tokenizer():
     word = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
     word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=word, pad_token="t0", eos_token="t1", unk_token="t2")
+
+
+def fake_hub_cache(root, repo, commits):
+    """A huggingface_hub cache holding `commits` ({hash: checkpoint folder}) of `repo`, refs/main -> the last."""
+    base = os.path.join(root, "models--" + repo.replace("/", "--"))
+    for commit, folder in commits.items():
+        shutil.copytree(folder, os.path.join(base, "snapshots", commit))
+    os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+    with open(os.path.join(base, "refs", "main"), "w") as f:
+        f.write(list(commits)[-1])
+    return root

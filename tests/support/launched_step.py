@@ -1,0 +1,45 @@
+"""Run under torchrun by test_two_launchers.py: a rank of a multi-node job, one step against vanilla.
+
+Loads `org/tiny` by Hub id from this node's own cache (HF_HUB_CACHE, offline) with rtp_size=2,
+takes one AdamW step on its own batch while vanilla takes it on the global batch (support.compare
+checks gradients and parameters), saves collectively, and writes what it saw to OUT/rank-R.json.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(out_dir: str) -> None:
+    import hf_rtp
+    import torch
+    import torch.distributed as dist
+    from hf_rtp.state import state_of
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from support.compare import DTYPE, adamw, step_both
+    from support.models import global_batch
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = hf_rtp.from_pretrained("org/tiny", dtype=DTYPE, rtp_size=2).train()
+    ref = AutoModelForCausalLM.from_pretrained("org/tiny", revision="a" * 40, dtype=DTYPE).train()
+    topology = state_of(model).topology
+    loss = step_both(model, ref, adamw(model, ref), global_batch(world), rank)
+    saved = os.path.join(out_dir, "saved")
+    model.save_pretrained(saved)
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.state_dict().items()}
+    if rank == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=DTYPE)
+        for name, tensor in reloaded.state_dict().items():
+            assert torch.equal(tensor, full[name]), name
+    seen = {"dp": topology.dp_rank, "rtp": topology.rtp_rank, "loss": loss, "read": model.config._name_or_path}
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
