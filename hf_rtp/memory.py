@@ -180,8 +180,12 @@ def _tp_local(model: nn.Module, world_size: int) -> int:
 
 
 def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: str | torch.dtype = "float32",
-             optimizer: str = "adamw", piece_bytes: int = 16 * 10**6, gradient_checkpointing: bool = False) -> dict[str, float]:
-    """Estimated peak training bytes per rank for each strategy (`single` ignores world_size)."""
+             optimizer: str = "adamw", piece_bytes: int = 16 * 10**6, gradient_checkpointing: bool = False,
+             rtp_size: int | None = None) -> dict[str, float]:
+    """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
+
+    With `rtp_size` K below the world size, RTP runs as rings of K (a rank holds 1/K of the rotated
+    weights, as on a flat ring of K) and an `hsdp` entry is added: FSDP2 sharding over K ranks."""
     dtype = _dtype(dtype)
     size = dtype.itemsize
     k = OPTIMIZER_STATES[optimizer]
@@ -202,30 +206,40 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = sum(p.numel() for p in params if id(p) not in in_layers) * size
     layer = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0) * size
-    rtp_local, rtp_largest, piece = _rtp_local(model, n, size, piece_bytes)
-    pool = 0 if n == 1 else (1 if n == 2 else 2) * piece * size + 2 * piece * size  # weight + gradient slots
+    ring = n if rtp_size is None else rtp_size
+    if ring < 1 or n % ring:
+        raise ValueError(f"rtp_size={rtp_size} must divide the world size {n}")
+    rtp_local, rtp_largest, piece = _rtp_local(model, ring, size, piece_bytes)
+    pool = 0 if ring == 1 else (1 if ring == 2 else 2) * piece * size + 2 * piece * size  # weight + gradient slots
     tp_local = _tp_local(model, n)
     # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
     # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
     fused = (_activations(model, batch, seq, False, gradient_checkpointing)
              + batch * seq * (config.hidden_size * size + 8)
-             + 3 * min(BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / n) * 4))
+             + 3 * min(BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / ring) * 4))
     single = peak(total, largest, saved)
-    return {
-        "single": single,
-        # gradient buckets: a second copy of every gradient (gradient_as_bucket_view=False)
-        "ddp": single + total,
+
+    def fsdp2(shards: int) -> float:
         # backward: the root unit (embeddings, head) and a decoder layer unsharded beside the local
         # batch's activations; then either the logits' gradient (at its start) or the root's unsharded
         # gradients (at its end), whichever is larger
-        "fsdp2": max((2 + k) * total / n + 2 * largest / n,
-                     (1 + k) * total / n + root + 2 * layer + saved + max(2 * logits, root)) + RUNTIME_BYTES,
+        return max((2 + k) * total / shards + 2 * largest / shards,
+                   (1 + k) * total / shards + root + 2 * layer + saved + max(2 * logits, root)) + RUNTIME_BYTES
+
+    result = {
+        "single": single,
+        # gradient buckets: a second copy of every gradient (gradient_as_bucket_view=False)
+        "ddp": single + total,
+        "fsdp2": fsdp2(n),
         # every rank runs the whole batch and gathers the full logits: their gradient and this rank's
         # slice of it coexist with the saved activations and all of its model states
         "tp": (2 + k) * tp_local * size + saved + logits * (1 + 1 / n) + RUNTIME_BYTES,
-        "rtp": single if n == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
-        "rtp-unfused": single if n == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
+        "rtp": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
+        "rtp-unfused": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
     }
+    if ring < n:
+        result["hsdp"] = fsdp2(ring)
+    return result
 
 
 def _activations(model: nn.Module, batch: int, seq: int, labels: bool, gradient_checkpointing: bool) -> float:
@@ -243,6 +257,8 @@ def main(argv=None) -> dict[str, float]:
     p = argparse.ArgumentParser(prog="hf-rtp estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a checkpoint folder, config.json, Hub id (config only) or bench preset")
     p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--rtp-size", type=int, help="ranks per RTP ring (default: the world size); also estimates HSDP "
+                   "sharding over as many ranks")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", default="float32")
@@ -253,16 +269,20 @@ def main(argv=None) -> dict[str, float]:
     args = p.parse_args(argv)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
+    if args.rtp_size is not None and (args.rtp_size < 1 or args.world_size % args.rtp_size):
+        raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
     config = load_config(args.model)
     if args.attn_implementation:
         config._attn_implementation = args.attn_implementation
     result = estimate(config, args.world_size, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,
-                      gradient_checkpointing=args.gradient_checkpointing)
+                      gradient_checkpointing=args.gradient_checkpointing, rtp_size=args.rtp_size)
     states = model_states_bytes(config, args.dtype, args.optimizer)
     print(f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
-          f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)")
+          f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
+          + (f" as {args.world_size // args.rtp_size} replicas of {args.rtp_size}-rank rings" if args.rtp_size else ""))
     for strategy, value in result.items():
         note = {"single": "   (1 process)", "rtp": "   (fused LM-head loss, the default)",
-                "rtp-unfused": "   (from_pretrained(..., fused_loss=False))"}.get(strategy, "")
+                "rtp-unfused": "   (from_pretrained(..., fused_loss=False))",
+                "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)"}.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
     return result

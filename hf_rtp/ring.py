@@ -170,7 +170,10 @@ class Ring:
         accumulator that travels with the piece: after N hops it arrives home holding the sum over
         the ring's ranks, so a flat ring needs no all-reduce. On a 2-D grid each piece that comes
         home is then summed over the replicas (an all-reduce of this rank's rows only), started at
-        once so it runs while the next piece walks; the sum over every rank is returned. Weights rotate only when `input_grad` is
+        once so it runs while the next piece walks; the sum over every rank is returned. (The last
+        piece's is waited for here: what returns becomes `.grad`, which autograd may add to at once.)
+
+        Weights rotate only when `input_grad` is
         given (an embedding needs none; `piece` is then None); `input_grad(rows, piece)` runs while
         the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
         gradients at all.

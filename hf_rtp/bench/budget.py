@@ -20,8 +20,10 @@ def largest_batch(config, strategy: str, world_size: int, args) -> int:
     """The largest batch per rank whose estimate fits the budget (0 when none does)."""
     fits = 0
     for batch in range(1, MAX_BATCH + 1):
+        grid = strategy == "rtp-2d"  # estimated as RTP on rings of --rtp-size
         estimate = memory.estimate(config, world_size, batch=batch, seq=args.seq, dtype=args.dtype,
-                                   gradient_checkpointing=args.gradient_checkpointing)[strategy]
+                                   gradient_checkpointing=args.gradient_checkpointing,
+                                   rtp_size=args.rtp_size if grid else None)["rtp" if grid else strategy]
         if estimate / 1e9 > args.budget_gb:
             break
         fits = batch

@@ -29,6 +29,8 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
                    "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]
     if args.gradient_checkpointing:
         worker_args.append("--gradient-checkpointing")
+    if strategy == "rtp-2d":
+        worker_args += ["--rtp-size", str(args.rtp_size)]
     reports = run_ranks("hf_rtp.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
     for r in reports:
         samples = r.pop("rss_samples")
@@ -91,6 +93,10 @@ def ratios(rows: list[dict]) -> list[str]:
                 o = by[(other, n)]
                 out.append(f"N={n}: rtp/{other}: memory {rtp['peak_gb'] / o['peak_gb']:.2f}x, step time "
                            f"{rtp['step_s'] / o['step_s']:.2f}x, tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x")
+        grid = by.get(("rtp-2d", n))
+        if grid:
+            out.append(f"N={n}: rings of {grid.get('rtp_size')} ({n // grid.get('rtp_size', n)} replicas) / one flat ring: "
+                       f"memory {grid['peak_gb'] / rtp['peak_gb']:.2f}x, step time {grid['step_s'] / rtp['step_s']:.2f}x")
         zero, unfused = by.get(("rtp-zero-loss", n)), by.get(("rtp-unfused", n))
         if unfused:
             out.append(f"N={n}: fused/unfused RTP: memory {rtp['peak_gb'] / unfused['peak_gb']:.2f}x, "
@@ -168,6 +174,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default="bench-out", help="folder for results.json and bench.png")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one strategy may take")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--rtp-size", type=int, help="also run RTP as rings of this many ranks (data parallel across "
+                   "them, the 2-D layout) at every world size it divides, beside the flat ring")
     p.add_argument("--budget-gb", type=float, help="instead: each strategy's largest batch per rank within this "
                    "many GB per rank (estimated, then measured down until it fits), and its tokens/s")
     return p.parse_args(argv)
@@ -183,6 +191,13 @@ def main(argv=None) -> dict:
     unknown = set(strategies) - set(STRATEGIES + VARIANTS)
     if unknown or any(n < 1 for n in sizes):
         raise SystemExit(f"strategies must be among {', '.join(STRATEGIES + VARIANTS)} and world sizes >= 1")
+    if "rtp-2d" in strategies and args.rtp_size is None:
+        raise SystemExit("--strategies rtp-2d needs --rtp-size K: the ranks per ring")
+    if args.rtp_size is not None:
+        if args.rtp_size < 1 or not any(n % args.rtp_size == 0 and n > args.rtp_size for n in sizes):
+            raise SystemExit(f"--rtp-size must be a proper divisor of a world size in --world-sizes, got {args.rtp_size}")
+        if "rtp-2d" not in strategies:
+            strategies.append("rtp-2d")
     if args.warmup < 1 or args.steps < 1:
         # AdamW allocates its moments in the first step: a peak taken before the second would miss them
         raise SystemExit("--warmup and --steps must each be at least 1: the first step allocates the optimizer state")
@@ -198,7 +213,8 @@ def main(argv=None) -> dict:
     states_gb = memory.model_states_bytes(config, args.dtype) / 1e9
 
     runs = [("single", 1)] if "single" in strategies else []
-    runs += [(s, n) for n in sizes for s in strategies if s != "single"]
+    runs += [(s, n) for n in sizes for s in strategies
+             if s != "single" and (s != "rtp-2d" or (n % args.rtp_size == 0 and n > args.rtp_size))]
     if args.budget_gb is not None:
         return _within_budget(args, checkpoint, config, [(s, n) for s, n in runs if s != "rtp-zero-loss"])
     rows = []
@@ -212,9 +228,13 @@ def main(argv=None) -> dict:
             print(f"  {strategy} on {n} rank(s) failed: {reason}", flush=True)
             failed.append({"strategy": strategy, "world_size": n, "error": str(err)[-4000:]})
             continue
+        grid = strategy == "rtp-2d"
         estimates = memory.estimate(config, n, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                                    gradient_checkpointing=args.gradient_checkpointing)
-        row["estimate_gb"] = estimates.get(strategy, float("nan")) / 1e9
+                                    gradient_checkpointing=args.gradient_checkpointing,
+                                    rtp_size=args.rtp_size if grid else None)
+        row["estimate_gb"] = estimates.get("rtp" if grid else strategy, float("nan")) / 1e9
+        if grid:
+            row["rtp_size"] = args.rtp_size
         rows.append(row)
     add_efficiency(rows, states_gb)
 

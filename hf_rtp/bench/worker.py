@@ -22,14 +22,15 @@ from ..memory import STRATEGIES, decoder_layers
 from .processes import vm_rss
 
 
-# RTP variants the bench runs beside the strategies: the plain loss from full logits, and a zero
-# loss that skips the head and its loss altogether (what the loss costs is the difference).
-VARIANTS = ("rtp-unfused", "rtp-zero-loss")
+# RTP variants the bench runs beside the strategies: the plain loss from full logits, a zero loss
+# that skips the head and its loss altogether (what the loss costs is the difference), and rings of
+# --rtp-size ranks as data-parallel replicas (the 2-D layout) instead of one flat ring.
+VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d")
 
 
 def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device,
-         gradient_checkpointing: bool = False) -> nn.Module:
-    model = _load(strategy, checkpoint, dtype, device)
+         gradient_checkpointing: bool = False, rtp_size: int | None = None) -> nn.Module:
+    model = _load(strategy, checkpoint, dtype, device, rtp_size)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -37,13 +38,14 @@ def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devic
     return model
 
 
-def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if strategy.startswith("rtp"):
         import hf_rtp
 
-        return hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device, fused_loss=strategy == "rtp")
+        return hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device, fused_loss=strategy in ("rtp", "rtp-2d"),
+                                      rtp_size=rtp_size if strategy == "rtp-2d" else None)
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
@@ -89,6 +91,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--rtp-size", type=int)
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -112,7 +115,7 @@ def main(argv=None) -> None:
     marks = {"baseline_rss": vm_rss(os.getpid()), "load_start": time.time()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = load(args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing).train()
+    model = load(args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size).train()
     marks["load_end"] = time.time()
     if device.type == "cuda":
         marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)

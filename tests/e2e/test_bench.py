@@ -14,7 +14,7 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
     out = tmp_path / "out"
     # 2 ranks only: 4 processes per strategy on CI's 2 cores cost a minute; notebooks/03_memory runs 4
     cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2",
-           "--warmup", "1", "--steps", "2", "--output", str(out)]
+           "--warmup", "1", "--steps", "2", "--rtp-size", "1", "--output", str(out)]
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the preset checkpoint is made under TMPDIR
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -22,7 +22,8 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
     result = json.loads((out / "results.json").read_text())
     assert result["failed"] == []
     rows = {(r["strategy"], r["world_size"]): r for r in result["results"]}
-    assert set(rows) == {("single", 1)} | {(s, 2) for s in STRATEGIES[1:]}
+    # --rtp-size 1 adds RTP as rings of one beside the flat ring: 2 replicas, nothing rotated
+    assert set(rows) == {("single", 1), ("rtp-2d", 2)} | {(s, 2) for s in STRATEGIES[1:]}
     single = rows[("single", 1)]
     for (strategy, n), r in rows.items():
         assert r["peak_gb"] > 0 and r["step_s"] > 0 and r["load_s"] > 0, (strategy, n)
@@ -36,6 +37,8 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
     # what each rank holds: RTP about 1/N of the parameters, DDP all of them
     assert rows[("ddp", 2)]["local_param_gb"] == single["local_param_gb"]
     assert rows[("rtp", 2)]["local_param_gb"] < single["local_param_gb"] / 2 * 1.05
+    assert rows[("rtp-2d", 2)]["local_param_gb"] == single["local_param_gb"] and rows[("rtp-2d", 2)]["rtp_size"] == 1
+    assert "N=2: rings of 1 (2 replicas) / one flat ring: memory" in done.stdout
     for s in STRATEGIES:
         assert s in done.stdout
     assert "rtp/ddp: memory" in done.stdout and "rtp/fsdp2" in done.stdout
@@ -57,6 +60,9 @@ def test_bench_refuses_bad_arguments(tmp_path):
         ["--world-sizes", "0"],
         ["--world-sizes", "two"],
         ["--warmup", "0", "--steps", "1"],  # a peak before the second step would miss AdamW's moments
+        ["--strategies", "rtp-2d"],  # rings of how many?
+        ["--world-sizes", "4", "--rtp-size", "3"],
+        ["--world-sizes", "2", "--rtp-size", "2"],  # one ring of 2 is the flat ring
     ]
     for args in bad:
         with pytest.raises(SystemExit) as refused:

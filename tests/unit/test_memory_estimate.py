@@ -45,6 +45,19 @@ def test_estimate_scales_with_world_size_and_optimizer(config_only):
     assert memory.estimate(config, 2, batch=8)["rtp"] > two["rtp"]  # activations of the local batch
 
 
+def test_rings_of_k_hold_what_a_flat_ring_of_k_holds_and_hsdp_what_fsdp2_over_k_holds(config_only, capsys):
+    config = memory.load_config(str(config_only))
+    grid, flat_two, flat_four = memory.estimate(config, 4, rtp_size=2), memory.estimate(config, 2), memory.estimate(config, 4)
+    assert grid["rtp"] == flat_two["rtp"] > flat_four["rtp"]  # replicas do not share a chunk's memory
+    assert grid["hsdp"] == flat_two["fsdp2"] > grid["fsdp2"] == flat_four["fsdp2"]
+    assert "hsdp" not in flat_four  # no replicas, no HSDP line
+    memory.main([str(config_only), "--world-size", "4", "--rtp-size", "2"])
+    assert "4 rank(s) as 2 replicas of 2-rank rings" in capsys.readouterr().out
+    for bad in ("3", "0"):
+        with pytest.raises(SystemExit, match="--rtp-size must divide --world-size 4"):
+            memory.main([str(config_only), "--world-size", "4", "--rtp-size", bad])
+
+
 def test_smaller_rotation_pieces_need_less_pool(config_only):
     config = memory.load_config(str(config_only))
     whole = memory.estimate(config, 2, piece_bytes=10**9)["rtp"]  # the embedding's chunk in one piece
@@ -90,10 +103,13 @@ def test_estimate_is_within_15_percent_of_every_measured_strategy(path):
     config = memory.load_config(settings["preset"])
     checked = 0
     for row in result["results"]:
+        grid = row["strategy"] == "rtp-2d"  # RTP as rings of rtp_size ranks
         estimates = memory.estimate(config, row["world_size"], batch=settings["batch"], seq=settings["seq"],
                                     dtype=settings["dtype"],
-                                    gradient_checkpointing=settings.get("gradient_checkpointing", False))
-        if row["strategy"] in estimates:  # not the zero-loss run, which only measures the loss's share
-            assert estimates[row["strategy"]] / 1e9 == pytest.approx(row["peak_gb"], rel=0.15), row["strategy"]
+                                    gradient_checkpointing=settings.get("gradient_checkpointing", False),
+                                    rtp_size=row["rtp_size"] if grid else None)
+        strategy = "rtp" if grid else row["strategy"]
+        if strategy in estimates:  # not the zero-loss run, which only measures the loss's share
+            assert estimates[strategy] / 1e9 == pytest.approx(row["peak_gb"], rel=0.15), row["strategy"]
             checked += 1
     assert checked >= 5

@@ -1,0 +1,40 @@
+"""hf_rtp/cost.py, the README's multi-node table: the formulas say what its docstring says.
+(test_two_dimensional.py checks the ring's real bytes against the same counting.)"""
+
+import pytest
+from hf_rtp import cost
+
+P = 10**9  # parameters
+
+
+def test_a_ring_inside_a_node_sends_its_chunks_three_times_over_nvlink_and_reduces_over_the_network():
+    flat = cost.rtp(P, world=8, per_node=8)
+    assert flat.intra == pytest.approx(2 * P * (3 * 8 - 2) / 8) and flat.inter == 0
+    grid = cost.rtp(P, world=32, per_node=8, rtp_size=8)
+    assert grid.intra == flat.intra
+    assert grid.inter == pytest.approx(2 * (4 - 1) / 4 * 2 * P / 8)  # ring all-reduce of a 1/8 chunk over 4 replicas
+    assert grid.memory == pytest.approx(P * cost.STATE_BYTES / 8 + cost.POOL_BYTES)
+
+
+def test_a_ring_across_nodes_runs_at_network_speed():
+    across = cost.rtp(P, world=16, per_node=8)
+    assert across.ring_crosses_nodes and across.intra == 0
+    assert across.seconds == pytest.approx(2 * P * (3 * 16 - 2) / 16 / cost.NETWORK_BYTES_S)
+    assert across.seconds > 5 * cost.rtp(P, world=16, per_node=8, rtp_size=8).seconds
+
+
+def test_hsdp_and_rings_per_node_send_the_same_over_the_network_and_fsdp2_more():
+    layer = P // 32
+    grid, hsdp, fsdp2 = (cost.rtp(P, 32, 8, 8), cost.fsdp(P, 32, 8, layer, 8), cost.fsdp(P, 32, 8, layer))
+    assert grid.inter == pytest.approx(hsdp.inter)
+    assert fsdp2.inter > 1.5 * hsdp.inter
+    assert fsdp2.memory < hsdp.memory  # but FSDP2 holds a quarter of the states
+
+
+def test_the_readme_table_covers_both_models_and_every_strategy():
+    table = cost.table()
+    for row in ("Llama-3-8B | 2 x 8 | RTP, rings of 8 (2-D)", "Llama-3-70B | 4 x 8 | FSDP2", "HSDP, shards of 8",
+                "RTP, one flat ring", "(ring at network speed)"):
+        assert row in table
+    params, layer = cost.counts(cost.llama3("8B"))
+    assert 8.0e9 < params < 8.1e9 and 2.1e8 < layer < 2.3e8
