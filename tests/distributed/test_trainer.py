@@ -114,6 +114,29 @@ def _resume_at_three(ckpt, out):
     return trainer.state.global_step, len(_losses(trainer))
 
 
+def _train_as_two_rings_of_two(ckpt, out):
+    import hf_rtp
+    from transformers import AutoModelForCausalLM
+
+    vanilla, _ = _trainer(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"), 4)
+    vanilla.train()
+    rotated, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rtp_size=2), os.path.join(out, "grid"), 4)
+    assert hf_rtp.state_of(rotated.model).topology.dp_size == 2
+    rotated.train()  # checkpoints at steps 2 and 4 from the grid, then the best of them loaded back
+    full = _full(rotated.model)
+    for name, p in vanilla.model.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), **NOISE, msg=lambda m: f"{name}: {m}")
+    return _losses(vanilla), _losses(rotated)
+
+
+def test_trainer_on_two_rings_of_two_trains_like_vanilla_on_four_ranks(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    results = run_on_ranks(_train_as_two_rings_of_two, 4, ckpt, str(tmp_path / "runs"))
+    vanilla, rotated = results[0]
+    assert len(rotated) == 4
+    torch.testing.assert_close(rotated, vanilla, **NOISE)
+
+
 def test_trainer_saves_resumes_and_loads_the_best_model_like_vanilla(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     out = str(tmp_path / "runs")

@@ -55,6 +55,12 @@ def _train_and_save(ckpt, layout, out_dir):
     torch.testing.assert_close(head.grad.to_local(), torch.full_like(head.grad.to_local(), 2.5))
     model.zero_grad()
 
+    # generate: each replica's ring steps through its own prompt, every rank together
+    prompt = global_batch(world, seq=4)[rank][:1]
+    model.eval(), ref.eval()
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **greedy), ref.generate(prompt, **greedy))
+
     model.save_pretrained(out_dir)
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.state_dict().items()}
     if rank == 0:
