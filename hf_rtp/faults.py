@@ -7,7 +7,8 @@ HF_RTP_FAULT="<action>@<point>[#<rank>][:<n>]" makes rank <rank> (every rank if 
     stop   SIGSTOP itself, as a hung or swapped-out process would (alive, silent)
     raise  raise OSError, as a full disk or a failed write would
 
-Points: "load.read" (after the headers, before the weights are read), "forward", "save.write" (a
+Points: "load.read" (after the headers, before the weights are read), "forward", "replicas.reduce"
+(backward on a 2-D grid: a piece's gradient came home, before its all-reduce over the replicas), "save.write" (a
 save_pretrained's files half written), "save.commit" (staged, nothing moved yet), "save.commit.mid"
 (half the files moved), "state.write" (a training state's files written, before they are
 committed), "state.commit" (about to replace the old training state). Unset, a point costs one

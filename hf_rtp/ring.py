@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .errors import CollectiveMisuseError
 from .sharding import ChunkLayout
 
@@ -225,6 +226,7 @@ class Ring:
                     grads_pending.wait()
                     acc = landing
                     if last and self.replicas is not None:
+                        faults.point("replicas.reduce")
                         summing += [dist.all_reduce(t, group=self.replicas, async_op=True) for t in landing if t.numel()]
                         self.reduced_bytes += sum(t.numel() * t.element_size() for t in landing)
                 index = following
