@@ -10,7 +10,9 @@ import os
 
 import pytest
 import torch
-from support.compare import DTYPE, STEP_ATOL, adamw, assert_matches, assert_same_model, float64_loss, step_both
+from support.compare import (
+    DTYPE, STEP_ATOL, adamw, assert_matches, assert_same_model, float64_loss, save_and_check_reload, step_both,
+)
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -38,8 +40,6 @@ def _load(ckpt, layout):
 
 def _train_and_save(ckpt, layout, out_dir):
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model, ref, topology = _load(ckpt, layout)
@@ -61,12 +61,7 @@ def _train_and_save(ckpt, layout, out_dir):
     greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **greedy), ref.generate(prompt, **greedy))
 
-    model.save_pretrained(out_dir)
-    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.state_dict().items()}
-    if rank == 0:
-        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=DTYPE)
-        for name, tensor in reloaded.state_dict().items():
-            assert torch.equal(tensor, full[name]), name
+    save_and_check_reload(model, out_dir, rank)
     dist.barrier()
     return topology.dp_rank, topology.rtp_rank, topology.is_writer, loss
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.models import fake_hub_cache, global_batch, make_tiny_llama, tiny_llama_config
+from support.models import fake_hub_cache, global_batch, make_tiny_llama
 from support.spawn import run_on_ranks
 from transformers import AutoModelForCausalLM
 

@@ -95,3 +95,17 @@ def step_both(model, ref, optimizers, batches, rank):
         optimizer.zero_grad()
     assert_matches(model, ref, topology.rtp_size, topology.rtp_rank, "param", atol=STEP_ATOL)
     return out.loss.item()
+
+
+def save_and_check_reload(model, out_dir, rank):
+    """Collective save_pretrained; rank 0 then loads it with vanilla transformers and finds every
+    tensor bit-equal to the rotated model's (gathered) state."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(out_dir)
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.state_dict().items()}
+    if rank == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=next(model.parameters()).dtype)
+        for name, tensor in reloaded.state_dict().items():
+            assert torch.equal(tensor, full[name]), name

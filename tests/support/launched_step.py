@@ -14,13 +14,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(out_dir: str) -> None:
     import hf_rtp
-    import torch
     import torch.distributed as dist
     from hf_rtp.state import state_of
-    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from support.compare import DTYPE, adamw, step_both
+    from support.compare import DTYPE, adamw, save_and_check_reload, step_both
     from support.models import global_batch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -28,13 +26,7 @@ def main(out_dir: str) -> None:
     ref = AutoModelForCausalLM.from_pretrained("org/tiny", revision="a" * 40, dtype=DTYPE).train()
     topology = state_of(model).topology
     loss = step_both(model, ref, adamw(model, ref), global_batch(world), rank)
-    saved = os.path.join(out_dir, "saved")
-    model.save_pretrained(saved)
-    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.state_dict().items()}
-    if rank == 0:
-        reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=DTYPE)
-        for name, tensor in reloaded.state_dict().items():
-            assert torch.equal(tensor, full[name]), name
+    save_and_check_reload(model, os.path.join(out_dir, "saved"), rank)
     seen = {"dp": topology.dp_rank, "rtp": topology.rtp_rank, "loss": loss, "read": model.config._name_or_path}
     with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
         json.dump(seen, f)
