@@ -13,8 +13,10 @@ otherwise K/N of its hops cross the network, one NIC per node boundary, and sinc
 step waits for the slowest, all of it runs at network speed. NCCL's collectives over several nodes
 run one ring per NIC, so an FSDP2 collective of V bytes puts about V(W-1)/W/N through each GPU's NIC.
 Replicas of one chunk sit on different nodes (one per node when K = N): their all-reduce is inter-node.
-Time is the larger of the NVLink and the network transfer (they overlap), not counting what hides
-behind compute. Memory is model states only (bf16 weights and gradients, float32 master weights
+Time is the NVLink transfer plus the network transfer for RTP, whose all-reduce over replicas waits
+for each layer's ring walk to finish (hf_rtp overlaps it only with the walk of a chunk's later
+pieces), and the larger of the two for FSDP2 and HSDP, whose collectives on the two links overlap;
+neither counts what hides behind compute. Memory is model states only (bf16 weights and gradients, float32 master weights
 and AdamW moments: 16 bytes per parameter) plus what a step holds unsharded beyond them.
 """
 
@@ -39,12 +41,15 @@ class Cost:
     memory: float
     """bytes per GPU: sharded states and what a step holds unsharded"""
     ring_crosses_nodes: bool = False
+    links_overlap: bool = True
+    """False for RTP: a layer's all-reduce over replicas starts when its ring walk ends"""
 
     @property
     def seconds(self) -> float:
         if self.ring_crosses_nodes:  # lockstep ring: every hop at network speed
             return (self.intra + self.inter) / NETWORK_BYTES_S
-        return max(self.intra / NVLINK_BYTES_S, self.inter / NETWORK_BYTES_S)
+        nvlink, network = self.intra / NVLINK_BYTES_S, self.inter / NETWORK_BYTES_S
+        return max(nvlink, network) if self.links_overlap else nvlink + network
 
 
 def rtp(params: int, world: int, per_node: int, rtp_size: int | None = None) -> Cost:
@@ -56,7 +61,7 @@ def rtp(params: int, world: int, per_node: int, rtp_size: int | None = None) -> 
     memory = params * STATE_BYTES / k + POOL_BYTES
     if crosses:
         return Cost(0.0, ring + reduce, memory, ring_crosses_nodes=True)
-    return Cost(ring, reduce, memory)
+    return Cost(ring, reduce, memory, links_overlap=False)
 
 
 def fsdp(params: int, world: int, per_node: int, layer_params: int, shard_size: int | None = None) -> Cost:
@@ -105,7 +110,7 @@ def counts(config) -> tuple[int, int]:
 
 
 def table(sizes=("8B", "70B"), nodes=(1, 2, 4), per_node: int = 8) -> str:
-    rows = ["| model | nodes x GPUs | strategy | NVLink GB/rank | network GB/rank | comm s/step | states GB/GPU |",
+    rows = ["| model | nodes x GPUs | strategy | NVLink GB/rank | network GB/rank | comm s/step | states + unsharded GB/GPU |",
             "|---|---|---|--:|--:|--:|--:|"]
     for size in sizes:
         params, layer = counts(llama3(size))

@@ -14,6 +14,8 @@ def test_a_ring_inside_a_node_sends_its_chunks_three_times_over_nvlink_and_reduc
     assert grid.intra == flat.intra
     assert grid.inter == pytest.approx(2 * (4 - 1) / 4 * 2 * P / 8)  # ring all-reduce of a 1/8 chunk over 4 replicas
     assert grid.memory == pytest.approx(P * cost.STATE_BYTES / 8 + cost.POOL_BYTES)
+    # the all-reduce starts when the ring walk ends: the two transfers add up
+    assert grid.seconds == pytest.approx(grid.intra / cost.NVLINK_BYTES_S + grid.inter / cost.NETWORK_BYTES_S)
 
 
 def test_a_ring_across_nodes_runs_at_network_speed():
