@@ -110,8 +110,8 @@ def counts(config) -> tuple[int, int]:
 
 
 def table(sizes=("8B", "70B"), nodes=(1, 2, 4), per_node: int = 8) -> str:
-    rows = ["| model | nodes x GPUs | strategy | NVLink GB/rank | network GB/rank | comm s/step | states + unsharded GB/GPU |",
-            "|---|---|---|--:|--:|--:|--:|"]
+    rows = ["| model | nodes x GPUs | strategy | NVLink GB/rank | network GB/rank | comm s/step "
+            "| states + unsharded GB/GPU |", "|---|---|---|--:|--:|--:|--:|"]
     for size in sizes:
         params, layer = counts(llama3(size))
         for m in nodes:
