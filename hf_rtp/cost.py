@@ -4,7 +4,8 @@
 
 Per rank and optimizer step, for S bytes of parameters (gradients travel in the same dtype):
   RTP, rings of K: every chunk walks its ring in forward and again in backward (K-1 hops of S/K),
-      and the gradient accumulator travels K hops: S(3K-2)/K to the ring neighbour. With replicas,
+      and the other ranks' gradient for it travels K-1 hops home: 3S(K-1)/K to the ring neighbour,
+      what FSDP2 sends over K ranks. With replicas,
       each rank's chunk of the gradient is then all-reduced over them: 2(D-1)/D * S/K.
   FSDP2 over W ranks: two all-gathers and a reduce-scatter of S, S(W-1)/W each. HSDP shards over K
       and all-reduces each rank's S/K gradient over the D = W/K replicas.
@@ -55,7 +56,7 @@ class Cost:
 def rtp(params: int, world: int, per_node: int, rtp_size: int | None = None) -> Cost:
     k = world if rtp_size is None else rtp_size
     replicas, s = world // k, params * TRAVEL_BYTES
-    ring = s * (3 * k - 2) / k
+    ring = 3 * s * (k - 1) / k
     reduce = 2 * (replicas - 1) / replicas * s / k
     crosses = k > per_node or per_node % k != 0
     memory = params * STATE_BYTES / k + POOL_BYTES

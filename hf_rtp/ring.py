@@ -167,9 +167,10 @@ class Ring:
     ) -> list[torch.Tensor] | None:
         """Walk the ring again for backward; return this rank's summed weight gradients.
 
-        `accumulate(rows, piece, acc)` adds this rank's gradient for those rows into `acc`, an
-        accumulator that travels with the piece: after N hops it arrives home holding the sum over
-        the ring's ranks, so a flat ring needs no all-reduce. On a 2-D grid each piece that comes
+        `accumulate(rows, piece, acc)` adds this rank's gradient for those rows into `acc`. A rank
+        keeps its share of its own piece at home; the others' shares of a piece go into an
+        accumulator that starts at the next rank and travels with the piece, arriving home after
+        N-1 hops (as many as the weights make) holding their sum, so a flat ring needs no all-reduce. On a 2-D grid each piece that comes
         home is then summed over the replicas (an all-reduce of this rank's rows only), started at
         once so it runs while the next piece walks; the sum over every rank is returned. (The last
         piece's is waited for here: what returns becomes `.grad`, which autograd may add to at once.)
@@ -189,8 +190,8 @@ class Ring:
                 input_grad(layout.bounds(0), own)
             return acc
         pieces = self.pieces(layout, like)
-        # The last hop brings each piece of this rank's complete gradient home into fresh memory:
-        # it becomes `.grad`, so it must not live in the shared pool.
+        # This rank's complete gradient is gathered in fresh memory, not in the shared pool: it
+        # becomes `.grad`.
         home = [like.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
         summing = []
         for p in range(pieces):
@@ -206,17 +207,21 @@ class Ring:
                     incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), like)
                     weights_pending = self._exchange(held, incoming, _WEIGHT_TAG)
                 if accumulate is not None:
-                    if step == 0:
-                        acc = self.pool.take("grads", 0, layout.shapes_of(rows), like)
-                        for a in acc:
-                            a.zero_()
-                    accumulate(rows, held if input_grad is not None else None, acc)
-                    if last:
-                        landing = self._own_piece(home, layout, next_rows)
-                    else:
+                    piece = held if input_grad is not None else None
+                    if step == 0:  # this rank's share of its own piece's gradient stays home
+                        mine = self._own_piece(home, layout, rows)
+                        for m in mine:
+                            m.zero_()
+                        accumulate(rows, piece, mine)
+                    else:  # the others' shares travel: started at the next rank, home in K-1 hops
+                        if step == 1:
+                            acc = self.pool.take("grads", 1, layout.shapes_of(rows), like)
+                            for a in acc:
+                                a.zero_()
+                        accumulate(rows, piece, acc)
                         landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), like)
-                    # Sent while input_grad below runs: the transfer hides behind that matmul.
-                    grads_pending = self._exchange(acc, landing, _GRAD_TAG)
+                        # Sent while input_grad below runs: the transfer hides behind that matmul.
+                        grads_pending = self._exchange(acc, landing, _GRAD_TAG)
                 if input_grad is not None:
                     input_grad(rows, held)
                 if weights_pending is not None:
@@ -225,10 +230,14 @@ class Ring:
                 if grads_pending is not None:
                     grads_pending.wait()
                     acc = landing
-                    if last and self.replicas is not None:
-                        faults.point("replicas.reduce")
-                        summing += [dist.all_reduce(t, group=self.replicas, async_op=True) for t in landing if t.numel()]
-                        self.reduced_bytes += sum(t.numel() * t.element_size() for t in landing)
+                    if last:  # the other ranks' shares of this rank's piece: add them to its own
+                        mine = self._own_piece(home, layout, next_rows)
+                        for m, arrived in zip(mine, landing):
+                            m.add_(arrived)
+                        if self.replicas is not None:
+                            faults.point("replicas.reduce")
+                            summing += [dist.all_reduce(t, group=self.replicas, async_op=True) for t in mine if t.numel()]
+                            self.reduced_bytes += sum(t.numel() * t.element_size() for t in mine)
                 index = following
         _Pending(summing, "waited for the other replicas' gradients").wait()
         return home

@@ -166,8 +166,9 @@ def _count_bytes(ckpt):
 
 def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tmp_path):
     """hf_rtp/cost.py (the README's table) models a ring of K as sending, per step, every chunk K-1 hops
-    forward and K-1 hops backward and its gradient accumulator K hops, and each replica all-reducing
-    its chunk of the gradient. The embedding is the exception: backward sends its gradient only."""
+    forward and K-1 hops backward and the other ranks' gradient for it K-1 hops home, and each replica
+    all-reducing its chunk of the gradient. The embedding is the exception: backward sends its
+    gradient only."""
     from safetensors import safe_open
 
     ckpt = make_tiny("llama", tmp_path / "ckpt")
@@ -176,7 +177,7 @@ def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tm
     nbytes = {name: 4 * torch.Size(shape).numel() for name, shape in sizes.items() if len(shape) == 2}  # norms stay whole
     k = 2
     walks = {name: 1 if "embed_tokens" in name else 2 for name in nbytes}
-    expected_ring = sum(b * ((k - 1) * walks[name] + k) for name, b in nbytes.items())
+    expected_ring = sum(b * (k - 1) * (walks[name] + 1) for name, b in nbytes.items())
     counted = run_on_ranks(_count_bytes, 4, ckpt)
     for ring in ([0, 1], [2, 3]):
         assert sum(counted[r][0] for r in ring) == expected_ring

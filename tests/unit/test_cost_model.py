@@ -9,7 +9,7 @@ P = 10**9  # parameters
 
 def test_a_ring_inside_a_node_sends_its_chunks_three_times_over_nvlink_and_reduces_over_the_network():
     flat = cost.rtp(P, world=8, per_node=8)
-    assert flat.intra == pytest.approx(2 * P * (3 * 8 - 2) / 8) and flat.inter == 0
+    assert flat.intra == pytest.approx(3 * 2 * P * 7 / 8) and flat.inter == 0
     grid = cost.rtp(P, world=32, per_node=8, rtp_size=8)
     assert grid.intra == flat.intra
     assert grid.inter == pytest.approx(2 * (4 - 1) / 4 * 2 * P / 8)  # ring all-reduce of a 1/8 chunk over 4 replicas
@@ -21,8 +21,12 @@ def test_a_ring_inside_a_node_sends_its_chunks_three_times_over_nvlink_and_reduc
 def test_a_ring_across_nodes_runs_at_network_speed():
     across = cost.rtp(P, world=16, per_node=8)
     assert across.ring_crosses_nodes and across.intra == 0
-    assert across.seconds == pytest.approx(2 * P * (3 * 16 - 2) / 16 / cost.NETWORK_BYTES_S)
+    assert across.seconds == pytest.approx(3 * 2 * P * 15 / 16 / cost.NETWORK_BYTES_S)
     assert across.seconds > 5 * cost.rtp(P, world=16, per_node=8, rtp_size=8).seconds
+
+
+def test_a_ring_sends_what_fsdp2_sends_over_as_many_ranks_inside_a_node():
+    assert cost.rtp(P, 8, 8).intra == pytest.approx(cost.fsdp(P, 8, 8, P // 32).intra)
 
 
 def test_hsdp_and_rings_per_node_send_the_same_over_the_network_and_fsdp2_more():
