@@ -170,14 +170,14 @@ class Ring:
         `accumulate(rows, piece, acc)` adds this rank's gradient for those rows into `acc`. A rank
         keeps its share of its own piece at home; the others' shares of a piece go into an
         accumulator that starts at the next rank and travels with the piece, arriving home after
-        N-1 hops (as many as the weights make) holding their sum, so a flat ring needs no all-reduce. On a 2-D grid each piece that comes
-        home is then summed over the replicas (an all-reduce of this rank's rows only), started at
-        once so it runs while the next piece walks; the sum over every rank is returned. (The last
-        piece's is waited for here: what returns becomes `.grad`, which autograd may add to at once.)
+        N-1 hops (as many as the weights make) holding their sum, so a flat ring needs no
+        all-reduce. On a 2-D grid each piece that comes home is then summed over the replicas (an
+        all-reduce of this rank's rows only), started at once so it runs while the next piece
+        walks; the sum over every rank is returned. (The last piece's is waited for here: what
+        returns becomes `.grad`, which autograd may add to at once.)
 
-        Weights rotate only when `input_grad` is
-        given (an embedding needs none; `piece` is then None); `input_grad(rows, piece)` runs while
-        the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
+        Weights rotate only when `input_grad` is given (an embedding needs none; `piece` is then
+        None); `input_grad(rows, piece)` runs while the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
         gradients at all.
         """
         like = own[0]
@@ -213,7 +213,7 @@ class Ring:
                         for m in mine:
                             m.zero_()
                         accumulate(rows, piece, mine)
-                    else:  # the others' shares travel: started at the next rank, home in K-1 hops
+                    else:  # the others' shares travel: started at the next rank, home in N-1 hops
                         if step == 1:
                             acc = self.pool.take("grads", 1, layout.shapes_of(rows), like)
                             for a in acc:
