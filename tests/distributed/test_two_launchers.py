@@ -3,12 +3,11 @@ inside each "node", data parallel across them, and each "node" with a Hub cache 
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 from support.models import fake_hub_cache, make_tiny
-from support.spawn import free_port
+from support.spawn import finish_launchers, free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "launched_step.py")
 OLD, NEW = "a" * 40, "b" * 40
@@ -22,19 +21,6 @@ def _launch(node: int, port: int, cache: str, out: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _finish(procs, timeout=240) -> list[str]:
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:  # a launcher left waiting for its peer must not outlive the test
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return outputs
-
-
 def test_two_nodes_of_two_ranks_train_save_like_vanilla_ddp_reading_one_revision(tmp_path):
     old, new = make_tiny("llama", tmp_path / "old", seed=0), make_tiny("llama", tmp_path / "new", seed=1)
     caches = [fake_hub_cache(str(tmp_path / "node0"), "org/tiny", {OLD: old}),
@@ -42,7 +28,7 @@ def test_two_nodes_of_two_ranks_train_save_like_vanilla_ddp_reading_one_revision
     out, port = str(tmp_path / "out"), free_port()
     os.makedirs(out)
     procs = [_launch(node, port, caches[node], out) for node in (0, 1)]
-    outputs = _finish(procs)
+    outputs = finish_launchers(procs, timeout=240)
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-6000:]
     seen = []

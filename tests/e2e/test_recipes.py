@@ -84,7 +84,7 @@ def test_resume_on_three_processes_from_a_two_process_checkpoint(default_run, tm
 def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_run, tmp_path):
     """recipes/configs/multinode.yaml on localhost: 2 "nodes" of 2 processes, a ring of 2 in each, resuming
     a flat 2-rank checkpoint; one launcher of 4 processes in a flat ring takes the same steps."""
-    from support.spawn import free_port
+    from support.spawn import finish_launchers, free_port
 
     resume = ["--max_steps", "6", "--eval_every", "0", "--resume_from", os.path.join(default_run, "checkpoint-4"),
               *_same_data(default_run)]
@@ -97,12 +97,7 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
     procs = [subprocess.Popen([*launch, "--machine_rank", str(node), FINETUNE, "--output_dir", str(nodes),
                                "--rtp_size", "2", *resume], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True) for node in (0, 1)]
-    try:
-        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    outputs = finish_launchers(procs, timeout=300)
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-5000:]
     assert "4 rank(s): 2 replica(s) of a 2-rank ring" in outputs[0]

@@ -104,3 +104,21 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None):
     if failures:
         raise RuntimeError("\n".join(failures))
     return [outcome[r][1] for r in wanted]
+
+
+def finish_launchers(procs, timeout: float) -> list[str]:
+    """The output of each launcher (subprocess.Popen with start_new_session=True, stdout piped), after
+    it exits; any still running when the wait ends is killed with its whole process group, so that no
+    rank left waiting for a peer outlives the test."""
+    import signal
+
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return outputs
