@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
@@ -9,7 +10,7 @@ from support.spawn import run_on_ranks
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
 
 
-def _lora_step(ckpt, adapters):
+def _lora_step(ckpt, adapters, rtp_size):
     import hf_rtp
     from peft import LoraConfig, PeftModel, get_peft_model
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -17,7 +18,8 @@ def _lora_step(ckpt, adapters):
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    rotated = get_peft_model(hf_rtp.from_pretrained(ckpt, dtype=torch.float64).train(), LoraConfig(**LORA))
+    base = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rtp_size=rtp_size).train()
+    rotated = get_peft_model(base, LoraConfig(**LORA))
     torch.manual_seed(0)
     ref = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).train(), LoraConfig(**LORA))
     base_before = {n: p.detach().clone() for n, p in rotated.named_parameters() if not p.requires_grad}
@@ -51,9 +53,11 @@ def _lora_step(ckpt, adapters):
         return sorted(os.listdir(adapters))
 
 
-def test_lora_on_rotated_base_matches_vanilla_peft(tmp_path):
+# one flat ring of 2, and 4 ranks as 2 rings of 2 (adapters averaged over all 4, the frozen base silent)
+@pytest.mark.parametrize("world,rtp_size", [(2, None), (4, 2)], ids=["flat-2", "2x2"])
+def test_lora_on_rotated_base_matches_vanilla_peft(tmp_path, world, rtp_size):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    files = run_on_ranks(_lora_step, 2, ckpt, str(tmp_path / "adapters"))[0]
+    files = run_on_ranks(_lora_step, world, ckpt, str(tmp_path / "adapters"), rtp_size)[0]
     assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
 
 
