@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from datetime import timedelta
 
 import torch
@@ -14,9 +15,9 @@ from . import faults, log, plans
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import tie_targets, untie_stored_apart, wants_for
-from .checkpoint.load import read_local
+from .checkpoint.load import read_proven
 from .checkpoint.save import parse_size
-from .errors import CheckpointError
+from .errors import CheckpointError, TopologyError
 from .fused_head import install_forward
 from .integrations.accelerate import check_accelerate_state
 from .mesh import raise_if_any_failed, setup
@@ -40,6 +41,7 @@ def from_pretrained(
     local_files_only: bool = False,
     rotation_piece_size: int | str = "16MB",
     fused_loss: bool = True,
+    verify_weights: str = "auto",
     **config_kwargs,
 ) -> PreTrainedModel:
     """Load a causal-LM checkpoint with its weights rotated across all ranks. Every rank calls it.
@@ -72,11 +74,23 @@ def from_pretrained(
             then None (pass `return_logits=True` to the forward to get them). Evaluation, generate and
             forwards without labels always return logits. Families whose head the fused loss cannot
             reproduce keep the plain loss (logged). False: always the plain loss.
+        verify_weights: how ranks prove they read the bytes of one checkpoint. "auto": by the cheapest
+            proof that holds per file (one shared file, the Hub's recorded hash, hf_rtp's block digests,
+            else one whole-file hash per copy); replicated tensors are always compared in full. "full":
+            also hash every file whole (one rank per copy) against every recorded hash.
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
+    if verify_weights not in ("auto", "full"):
+        raise ValueError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
     piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
     topology = setup(device, device_mesh, timeout, rtp_size)
     topology.ring.piece_bytes = piece_bytes
+    error = None
+    try:
+        faults.check()  # a misspelt fault point is an error, not a test that injects nothing
+    except ValueError as err:
+        error = err
+    raise_if_any_failed(error, topology.control, TopologyError)
     check_accelerate_state(topology.world_size)  # an Accelerator that runs undistributed: fail before loading
     directory, commit = resolve_directory(
         os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only, topology.control
@@ -96,7 +110,7 @@ def from_pretrained(
     config.dtype = dtype  # as vanilla records it
     # before any other collective: ranks holding other files would otherwise meet in different ones
     agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=piece_bytes,
-                      dtype=dtype), topology.control)
+                      dtype=dtype, verify=verify_weights), topology.control)
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -104,22 +118,20 @@ def from_pretrained(
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
 
-    tensors = {}
+    wants, sources = {}, {}
     try:
         wants, sources = wants_for(model, resolution, topology, entries)
-        faults.point("load.read")
-        tensors = read_local(entries, wants, dtype, topology.device)
     except Exception as err:
         error = err
     raise_if_any_failed(error, topology.control, CheckpointError)
+    tensors = read_proven(entries, wants, dtype, topology, verify_weights)
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
         log.warning(f"checkpoint tensors not used by {type(model).__name__}: {', '.join(unexpected[:8])}")
 
     install(model, resolution, tensors, topology)
-    if os.path.exists(os.path.join(directory, "generation_config.json")):
-        model.generation_config = GenerationConfig.from_pretrained(directory)
+    model.generation_config = _generation_config(directory, model)
     bind(model, RTPState(topology, plan, resolution, sources))
     install_forward(model, fused=fused_loss and topology.rtp_size > 1)
     log.info(
@@ -129,6 +141,21 @@ def from_pretrained(
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
     )
     return model.eval()  # as transformers' from_pretrained does
+
+
+def _generation_config(directory: str, model):
+    """The checkpoint's generation_config.json, as vanilla reads it: an optional file, so one that is not
+    a regular file or not valid JSON is ignored (vanilla says so at info level; here it is a warning)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.lexists(path):
+        return model.generation_config
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise OSError("it is not a regular file")
+        return GenerationConfig.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        log.warning(f"ignoring {path} ({str(err).splitlines()[0][:200]}); generation uses defaults from config.json")
+        return model.generation_config
 
 
 def _named_plan(plan) -> plans.Plan | str:

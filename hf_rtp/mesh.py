@@ -134,20 +134,29 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400.0
+
+
 def as_timedelta(value: float | timedelta | None, variable: str, default: timedelta) -> timedelta:
-    """`value`, else the environment variable, else `default`. Seconds, or with a unit: "90s", "10m", "1h"."""
+    """`value`, else the environment variable, else `default`. Seconds, or with a unit: "90s", "10m", "1h", "2d".
+
+    Between 1 second (less cannot even open a connection between ranks) and 7 days (more overflows
+    the process group's clock, and is a hang in all but name); anything else names the setting."""
     if value is None:
         value = os.environ.get(variable) or None
         if value is None:
             return default
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", str(value).lower())
-        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)] if match else float("nan")
-    if not seconds > 0:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", str(value).lower())
+        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)] if match else float("nan")
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
         raise TopologyError(
-            f"{variable} (or timeout=) must be a positive duration: seconds like 600, or 90s, 10m, 1h; got {value!r}"
+            f"{variable}{' (or timeout=)' if variable == 'HF_RTP_TIMEOUT' else ''} must be a duration from 1 second to 7 days: seconds like 600, or 90s, 10m, 1h, "
+            f"2d; got {value!r}"
         )
     return timedelta(seconds=seconds)
 
@@ -293,10 +302,12 @@ def raise_if_any_failed(
     Every rank raises the same class, naming the rank that failed: the failing rank's own class when
     it is an hf_rtp error, else `wrap` (the failing rank chains the original as its cause).
     """
-    if not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
+    if not dist.is_initialized():  # one process: the same class a rank would raise, e.g. CheckpointError
+        if error is None or isinstance(error, HfRtpError):
+            if error is not None:
+                raise error
+            return
+        raise wrap(f"{type(error).__name__}: {error}") from error
     mine = None
     if error is not None:
         name = type(error).__name__ if isinstance(error, HfRtpError) else wrap.__name__

@@ -105,7 +105,7 @@ def main(argv=None):
     if args.resume_from:
         state = load_training_state(args.resume_from, trained, optimizer, scheduler)
         step, samples_seen = state["step"], state["samples_seen"]
-        log0(accelerator, f"resumed from {args.resume_from} at step {step} ({state['world_size']} -> {world} ranks)")
+        log0(accelerator, f"resumed from {args.resume_from} at step {step} ({state.get('world_size', '?')} -> {world} ranks)")
     ddp = accelerator.prepare(trained)  # DDP averages replicated grads; rotated ones reduce in the ring
 
     order = GlobalOrder(len(blocks), args.seed)
@@ -148,7 +148,7 @@ def main(argv=None):
                 trained,
                 optimizer,
                 scheduler,
-                extra={"step": step, "samples_seen": samples_seen},
+                extra={"step": step, "samples_seen": samples_seen, "world_size": world},
             )
     bar.close()
     finish(args, accelerator, model, trained, tokenizer)

@@ -13,11 +13,10 @@ import torch.distributed as dist
 from ..mesh import raise_if_any_failed
 
 from ..errors import CheckpointError
-from .atomic import recover_save
+from .commit import INDEX_NAME, SINGLE_NAME, recover
+from .ownership import read_json
 from .safetensors_io import TensorEntry, read_header
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
@@ -43,12 +42,11 @@ class CheckpointFiles:
 
 def _read_index(path: str) -> dict[str, str]:
     try:
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(path, "safetensors index")["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
         return weight_map
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+    except (CheckpointError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is not a valid safetensors index ({err}); download or save it again") from None
 
 
@@ -104,8 +102,8 @@ def resolve_directory(
     """
     local, error = os.path.isdir(name_or_path), None
     if local and (not dist.is_initialized() or dist.get_rank() == 0):
-        try:  # a save_pretrained that a crash interrupted mid-commit: finish it before anyone reads
-            recover_save(name_or_path)
+        try:  # a save_pretrained that a crash interrupted mid-commit: finish it (when provably hf_rtp's)
+            recover(name_or_path)
         except Exception as err:
             error = err
     if dist.is_initialized():

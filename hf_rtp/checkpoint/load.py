@@ -5,20 +5,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import faults
 from ..errors import CheckpointError
 from ..layers.common import local
 from ..log import progress
 from ..mesh import raise_if_any_failed
-from .atomic import recover_save
+from .commit import recover
 from .files import find_weights
+from .fingerprint import agree_on_read, prove_files, tensor_digest
 from .keys import Want, wants_for
 from .safetensors_io import TensorEntry
 
 
+def read_proven(
+    entries: dict[str, TensorEntry], wants: dict[str, Want], dtype: torch.dtype, topology, verify: str = "auto"
+) -> dict[str, torch.Tensor]:
+    """Collective. Every rank's tensors (or rows), once the ranks have proven they read one checkpoint's
+    bytes: file by file before the read, replicated tensors' digests after it (fingerprint.py)."""
+    identities = prove_files(entries, topology.control, verify)
+    tensors, read, error = {}, {}, None
+    try:
+        faults.point("load.read")
+        tensors, read = read_local(entries, wants, dtype, topology.device)
+    except Exception as err:
+        error = err
+    raise_if_any_failed(error, topology.control, CheckpointError)
+    agree_on_read(read, identities, entries, topology.control)
+    return tensors
+
+
 def read_local(
     entries: dict[str, TensorEntry], wants: dict[str, Want], dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Read every wanted tensor (or its rows) from disk, checked against the model's shapes."""
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read every wanted tensor (or its rows) from disk, checked against the model's shapes; and the
+    SHA-256 of each tensor read whole (replicated ones), which every rank must share."""
     missing = sorted({name for want in wants.values() for name in want.source.names} - set(entries))
     if missing:
         raise CheckpointError(
@@ -42,13 +62,15 @@ def read_local(
     # file order, then byte order: the reads walk each file front to back
     first = {n: entries[w.source.names[0]] for n, w in wants.items()}
     order = sorted(wants, key=lambda n: (first[n].path, first[n].offset))
-    out = {}
+    out, digests = {}, {}
     for name in progress(order, desc="Loading checkpoint shards"):
         tensor = wants[name].source.read(entries, wants[name].rows)
+        if wants[name].rows is None:
+            digests[name] = tensor_digest(tensor)
         if tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         out[name] = tensor.to(device)
-    return out
+    return out, digests
 
 
 def load_into(model: nn.Module, directory: str) -> None:
@@ -59,18 +81,19 @@ def load_into(model: nn.Module, directory: str) -> None:
     base, state = rotated_module(model), state_of(model)
     topology, error, tensors = state.topology, None, {}
     if topology.rank == 0:
-        try:  # a save_pretrained there that a crash interrupted mid-commit: finish it first
-            recover_save(directory)
+        try:  # a save_pretrained there that a crash interrupted mid-commit: finish it (when provably hf_rtp's)
+            recover(directory)
         except Exception as err:
             error = err
     raise_if_any_failed(error, topology.control, CheckpointError)
+    entries, wants = {}, {}
     try:
         entries = find_weights(directory).tensors()
         wants, _ = wants_for(base, state.resolution, topology, entries)
-        tensors = read_local(entries, wants, next(base.parameters()).dtype, topology.device)
     except Exception as err:
         error = err
     raise_if_any_failed(error, topology.control, CheckpointError)
+    tensors = read_proven(entries, wants, next(base.parameters()).dtype, topology)
     with torch.no_grad():
         for name, tensor in tensors.items():
             local(base.get_parameter(name)).copy_(tensor)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import re
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import faults
@@ -25,9 +26,13 @@ from ..errors import CheckpointError, HfRtpError
 from ..mesh import raise_if_any_failed
 from ..state import state_of
 from .atomic import recover_folder, replace_folder
+from .ownership import FolderLock, is_real_dir, read_json, write_json
 from .safetensors_io import read_header
 
 STATE_FILE = "training_state.json"
+MARKER = ".hf_rtp-state.json"  # written first into `<dir>.partial`: the folder is this save's own
+_FORMAT = 2  # 2: `extra` under its own key; 1 (older): `extra` merged into hf_rtp's records
+_DCP_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -49,43 +54,58 @@ def _identity(model: nn.Module) -> dict:
 def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=None, extra: dict | None = None) -> None:
     """Collective. Write model, optimizer, scheduler, RNG and `extra` (step, data position) to `directory`.
 
-    Every rank writes its chunks into `<directory>.partial`; rank 0 then records what was written
-    (each file and its size, the model class and plan) in training_state.json, last, and swaps the folder
-    in atomically (see atomic.py). A crash at any point leaves the previous checkpoint loadable.
+    `directory` must be absent, empty, or a training state hf_rtp saved: a folder holding anything
+    else, a file or a link is refused untouched. Every rank writes its chunks into
+    `<directory>.partial`; rank 0 then records what was written (each file and its size, the model
+    class and plan) in training_state.json, last, and swaps the folder in atomically (see atomic.py).
+    A crash at any point leaves the previous checkpoint loadable. `extra` must be JSON: it is kept
+    apart from hf_rtp's own records, and load_training_state returns it as it was given.
     """
+    directory = _normalised(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     partial, group = f"{directory}.partial", _control(model)
-    error = None
+    error, lock = None, None
     if rank == 0:
         try:
-            recover_folder(directory, _is_complete)
-            shutil.rmtree(partial, ignore_errors=True)  # a save that was killed before its commit
+            _check_extra(extra)
+            os.makedirs(os.path.dirname(directory), exist_ok=True)
+            lock = FolderLock(directory + ".lock", directory).acquire()
+            _check_target(directory)
+            recover_folder(directory, _is_complete, _own_names, clean=True)
+            if os.path.lexists(partial):
+                raise CheckpointError(f"{partial} is in the way of this save and was not written by hf_rtp: move it away")
+            os.mkdir(partial)
+            write_json(os.path.join(partial, MARKER), {"hf_rtp_state": True})
         except Exception as err:
             error = err
-    raise_if_any_failed(error, group, CheckpointError)
-    _, optim_sd, flat = _tensors(model, optimizer)
-    writer = dcp.HuggingFaceStorageWriter(partial, save_distributed=True)
-    with _named_waits("save_training_state", directory):
-        dcp.save(flat, storage_writer=writer, process_group=group)  # hf_rtp's timeout, not the world's
-        faults.point("state.write")
-        rng = _gather_rng(group)
-    if rank == 0:
-        try:
-            files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
-            state = {
-                "format": 1,
-                "identity": _identity(model),
-                "files": files,
-                "param_groups": optim_sd["param_groups"],
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": rng,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                **(extra or {}),
-            }
-            _write_json(os.path.join(partial, STATE_FILE), state)
-            replace_folder(partial, directory)
-        except Exception as err:
-            error = err
+    try:
+        raise_if_any_failed(error, group, CheckpointError)
+        _, optim_sd, flat = _tensors(model, optimizer)
+        writer = dcp.HuggingFaceStorageWriter(partial, save_distributed=True)
+        with _named_waits("save_training_state", directory):
+            dcp.save(flat, storage_writer=writer, process_group=group)  # hf_rtp's timeout, not the world's
+            faults.point("state.write")
+            rng = _gather_rng(group)
+        if rank == 0:
+            try:
+                files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+                state = {
+                    "format": _FORMAT,
+                    "identity": _identity(model),
+                    "files": files,
+                    "param_groups": optim_sd["param_groups"],
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "rng": rng,
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "extra": dict(extra or {}),
+                }
+                _write_json(os.path.join(partial, STATE_FILE), state)
+                replace_folder(partial, directory, _own_names)
+            except Exception as err:
+                error = err
+    finally:
+        if lock is not None:
+            lock.release()
     raise_if_any_failed(error, group, CheckpointError)
 
 
@@ -97,11 +117,14 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     it was saved from the same model class and plan. Otherwise every rank raises a CheckpointError
     naming what is wrong, and the model and optimizer are untouched.
     """
+    directory = _normalised(directory)
     group, rank = _control(model), dist.get_rank() if dist.is_initialized() else 0
     error = None
     if rank == 0:
-        try:
-            recover_folder(directory, _is_complete)
+        try:  # a swap a crash interrupted: put the newer complete folder in place (nothing else is touched)
+            if not os.path.lexists(directory) and any(os.path.lexists(directory + s) for s in (".partial", ".old")):
+                with FolderLock(directory + ".lock", directory):
+                    recover_folder(directory, _is_complete, _own_names, clean=False)
         except Exception as err:
             error = err
     raise_if_any_failed(error, group, CheckpointError)
@@ -109,40 +132,115 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     state = None
     try:
         state = _read_state(directory)
-        _verify(directory, state, flat, model)
+        _verify(directory, state, flat, model, optim_sd)
     except Exception as err:
         error = err
     raise_if_any_failed(error, group, CheckpointError)
     with _named_waits("load_training_state", directory):
         dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
-    optim_sd["param_groups"] = state.pop("param_groups")
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    rng = state.pop("rng")
-    for key in ("format", "identity", "files"):
-        state.pop(key, None)
+        optim_sd["param_groups"] = state["param_groups"]
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.get("world_size") == world:  # at another world size the old per-rank streams mean nothing
         torch.set_rng_state(torch.tensor(rng[rank]["cpu"], dtype=torch.uint8))
         if torch.cuda.is_available() and rng[rank].get("cuda") is not None:
             torch.cuda.set_rng_state(torch.tensor(rng[rank]["cuda"], dtype=torch.uint8))
-    return state
+    return _extra(state)
+
+
+_RECORDS = ("format", "identity", "files", "param_groups", "scheduler", "rng", "world_size", "extra")
+
+
+def _extra(state: dict) -> dict:
+    if state.get("format", 1) >= 2:
+        return dict(state.get("extra") or {})
+    return {k: v for k, v in state.items() if k not in _RECORDS}  # format 1 merged `extra` into the records
+
+
+def _check_extra(extra) -> None:
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(f"extra must be a dict with string keys, got {type(extra).__name__}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"extra must hold only JSON values (numbers, strings, lists, dicts): {err}") from None
+
+
+def _normalised(directory) -> str:
+    """One spelling per folder: `~`, relative paths and trailing slashes would otherwise name siblings
+    such as `ckpt/.partial` instead of `ckpt.partial`."""
+    path = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+    if os.path.basename(path) in ("", ".", ".."):
+        raise CheckpointError(f"{directory!r} cannot hold a training state: name a folder")
+    return path
+
+
+def _check_target(directory: str) -> None:
+    """The target is absent, empty or a training state of hf_rtp's own; anything else is refused untouched."""
+    if not os.path.lexists(directory):
+        return
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        kind = "a symbolic link" if os.path.islink(directory) else "a file"
+        raise CheckpointError(f"{directory} is {kind}, not a folder: pass a folder path for the training state")
+    if _own_names(directory) is None:
+        foreign = sorted(n for n in os.listdir(directory) if not _own_name(n))
+        what = f"holds {', '.join(foreign[:5])}" if foreign else f"has no {STATE_FILE} of hf_rtp's"
+        raise CheckpointError(
+            f"{directory} exists and {what}, which hf_rtp did not write; saving a training state there would "
+            "replace the whole folder. Pass a new or empty folder (for example a checkpoint-<step> subfolder)"
+        )
+
+
+def _own_name(name: str) -> bool:
+    return name in (STATE_FILE, MARKER) or bool(_DCP_SHARD.fullmatch(name))
+
+
+def _own_names(folder: str) -> list[str] | None:
+    """Every name in `folder` when it is provably a training state hf_rtp wrote (complete, or a partial
+    one that carries its marker), or an empty folder; None otherwise."""
+    if not is_real_dir(folder):
+        return None
+    names = sorted(os.listdir(folder))
+    if not names:
+        return names
+    if not all(_own_name(n) for n in names):
+        return None
+    try:
+        if MARKER in names and read_json(os.path.join(folder, MARKER), "marker", 4096, follow_links=False) == {"hf_rtp_state": True}:
+            return names
+        state = read_json(os.path.join(folder, STATE_FILE), "training state", follow_links=False)
+    except CheckpointError:
+        return None
+    files = state.get("files") if isinstance(state, dict) else None
+    if isinstance(state, dict) and state.get("format") in (1, _FORMAT) and (files is None or isinstance(files, dict)):
+        return names if files is None or set(names) <= set(files) | {STATE_FILE} else None
+    return None
 
 
 def _read_state(directory: str) -> dict:
     path = os.path.join(directory, STATE_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise CheckpointError(
             f"{directory} is not a complete training checkpoint (no {STATE_FILE}); a save may have been interrupted: "
             "resume from an earlier checkpoint-* folder"
         )
     try:
-        with open(path) as f:
-            state = json.load(f)
-        if not isinstance(state, dict) or not {"param_groups", "rng"} <= set(state):
-            raise ValueError("it lacks param_groups or rng")
-    except (ValueError, UnicodeDecodeError) as err:
+        state = read_json(path, "training state")
+        missing = sorted({"param_groups", "rng", "world_size"} - set(state)) if isinstance(state, dict) else ["all"]
+        if missing:
+            raise CheckpointError(f"it lacks {', '.join(missing)}")
+        if not isinstance(state["param_groups"], list) or not isinstance(state["rng"], list):
+            raise CheckpointError("param_groups or rng is not a list")
+        if not all(isinstance(r, dict) and isinstance(r.get("cpu"), list) for r in state["rng"]):
+            raise CheckpointError("an RNG state is malformed")
+        if not isinstance(state.get("extra", {}), dict) or not isinstance(state.get("files", {}), dict):
+            raise CheckpointError("extra or files is not an object")
+    except CheckpointError as err:
         raise CheckpointError(
             f"{path} is damaged ({err}); this checkpoint cannot be trusted: resume from an earlier checkpoint-* folder"
         ) from None
@@ -185,8 +283,18 @@ def _check_files(directory: str, state: dict) -> None:
             read_header(path)
 
 
-def _verify(directory: str, state: dict, flat: dict, model: nn.Module) -> None:
+def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd: dict) -> None:
     _check_files(directory, state)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if state.get("world_size") == world and len(state["rng"]) != world:
+        raise CheckpointError(f"{directory}/{STATE_FILE} records {len(state['rng'])} RNG states for {world} ranks")
+    saved_groups = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in state["param_groups"]]
+    groups = [len(g["params"]) for g in optim_sd["param_groups"]]
+    if saved_groups != groups:
+        raise CheckpointError(
+            f"{directory} was saved from an optimizer whose parameter groups hold {saved_groups} parameters, but this "
+            f"optimizer's hold {groups}: build the optimizer as the run that saved it did"
+        )
     saved_as = state.get("identity")
     if saved_as is not None and saved_as != _identity(model):
         raise CheckpointError(
@@ -230,6 +338,14 @@ def _named_waits(call: str, directory: str):
         yield
     except HfRtpError:
         raise
+    except CheckpointException as err:  # DCP's, a BaseException: each failed rank's error, gathered by DCP
+        failures = "; ".join(
+            f"rank {r}: {type(e[0]).__name__}: {str(e[0])[:300]}" for r, e in sorted(err.failures.items())
+        )
+        raise CheckpointError(
+            f"{call}({directory}) failed in torch.distributed.checkpoint on {failures}. The previous checkpoint, if "
+            "any, is untouched"
+        ) from None
     except Exception as err:
         raise CheckpointError(
             f"{call}({directory}) failed on this rank: {type(err).__name__}: {str(err)[:500]}. If a timeout is "

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from ..errors import CheckpointError
+from .digests import BLOCK_BYTES, BlockDigests, BlockHasher
 
 DTYPES = {
     "F64": torch.float64,
@@ -35,7 +37,12 @@ DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
+# Bounds on what a header may make us parse, checked on its raw bytes before any parser runs: a
+# 90 MB header of 30 million empty objects would otherwise cost gigabytes on every rank. The
+# largest real checkpoints hold tens of thousands of tensors per file (per-expert MoE weights).
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+MAX_TENSORS = 200_000  # per file: each tensor's entry is one JSON object
+MAX_SEPARATORS = 4_000_000  # '{', '[' and ',' together: about 10 per tensor in a real header
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ class TensorEntry:
     shape: torch.Size
     offset: int
     """absolute byte position of the first element in the file"""
+    blocks: BlockDigests | None = None
+    """the file's block digests, when hf_rtp wrote it: every read is verified against them"""
 
     @property
     def row_bytes(self) -> int:
@@ -64,22 +73,32 @@ def _corrupt(path: str, why: str) -> CheckpointError:
 
 
 def read_header(path: str) -> dict[str, TensorEntry]:
-    """Parse and validate a safetensors header; every tensor must lie inside the file."""
-    size = os.path.getsize(path)
+    """Parse and validate a safetensors header; every tensor must lie inside the file.
+
+    Bounded before parsing (size, objects, separators), then held to everything the safetensors
+    library requires: a file it refuses (float or negative offsets, unknown dtypes, nesting, trailing
+    bytes) is a CheckpointError here too, never a looser read."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _corrupt(path, "it is not a regular file")
+    size = st.st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
             raise _corrupt(path, f"{size} bytes, too short for a header")
         header_len = int.from_bytes(prefix, "little")
-        if header_len > min(_MAX_HEADER, size - 8):  # the number would only echo the file's first bytes
+        if header_len > min(MAX_HEADER_BYTES, size - 8):  # the number would only echo the file's first bytes
             raise _corrupt(path, f"it does not start with a safetensors header that fits its {size} bytes")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise _corrupt(path, f"header is not JSON: {err}") from None
+        _check_bounds(path, f, header_len)
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise _corrupt(path, f"header is not JSON: {str(err)[:200]}") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "header is not a JSON object")
     data_start, data_size = 8 + header_len, size - 8 - header_len
+    blocks = BlockDigests.from_metadata(path, data_start, data_size, header.get("__metadata__"))
     entries, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
@@ -89,8 +108,8 @@ def read_header(path: str) -> dict[str, TensorEntry]:
             shape = torch.Size(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise _corrupt(path, f"bad header entry for {name}: {info!r}") from None
-        entry = TensorEntry(path, name, dtype, shape, data_start + begin)
+            raise _corrupt(path, f"bad header entry for {name}: {str(info)[:200]}") from None
+        entry = TensorEntry(path, name, dtype, shape, data_start + begin, blocks)
         if end - begin != entry.nbytes or begin < 0 or min(shape, default=0) < 0:
             raise _corrupt(path, f"{name} has {end - begin} bytes for shape {list(shape)} {info['dtype']}")
         if end > data_size:
@@ -98,7 +117,35 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         entries[name] = entry
         spans.append((begin, end, name))
     _check_layout(path, spans, data_size)
+    _check_with_library(path)
     return entries
+
+
+def _check_bounds(path: str, f, header_len: int) -> None:
+    """Count the header's objects and separators in 1 MB steps, before any of it is held or parsed."""
+    objects = separators = 0
+    for _ in range(0, header_len, 1 << 20):
+        chunk = f.read(min(1 << 20, header_len - f.tell() + 8))
+        objects += chunk.count(b"{")
+        separators += chunk.count(b"{") + chunk.count(b"[") + chunk.count(b",")
+        if objects > MAX_TENSORS + 2 or separators > MAX_SEPARATORS:
+            raise _corrupt(
+                path,
+                f"its header holds more than {MAX_TENSORS} JSON objects or {MAX_SEPARATORS} separators, beyond what a "
+                "real checkpoint file holds; refusing to parse it",
+            )
+    f.seek(8)
+
+
+def _check_with_library(path: str) -> None:
+    """The safetensors library's own verdict (it parses the header only; the data stays unread)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as err:  # SafetensorError, and whatever a future version raises
+        raise _corrupt(path, f"the safetensors library refuses it: {str(err)[:300]}") from None
 
 
 def _check_layout(path: str, spans: list[tuple[int, int, str]], data_size: int) -> None:
@@ -138,26 +185,42 @@ def read_rows(
             done += n
     finally:
         os.close(fd)
+    if entry.blocks is not None:
+        entry.blocks.verify(offset, view)
     return out
 
 
 class StreamingWriter:
-    """Write a safetensors file one tensor at a time: the header is known before any data is."""
+    """Write a safetensors file one tensor at a time: the header is known before any data is. The data
+    is hashed as it streams past (digests.py) and the header, written first with a placeholder of
+    the same length, is rewritten with the block digests when the file is closed."""
 
-    def __init__(self, path: str, layout: list[tuple[str, torch.dtype, torch.Size]], metadata: dict[str, str]):
-        header: dict = {"__metadata__": dict(metadata)}
-        offset = 0
-        self._order = []
+    def __init__(
+        self, path: str, layout: list[tuple[str, torch.dtype, torch.Size]], metadata: dict[str, str],
+        block_bytes: int = BLOCK_BYTES,
+    ):
+        self._order, self._layout, self._block, offset = [], layout, block_bytes, 0
         for name, dtype, shape in layout:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._order.append((name, nbytes))
             offset += nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
+        self._metadata, self._total = dict(metadata), offset
+        self._hasher = BlockHasher(offset, block_bytes)
+        encoded = self._header(None)
         self._file = open(path, "wb")
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
+        self._header_bytes = len(encoded)
         self._next = 0
+
+    def _header(self, digests: str | None) -> bytes:
+        header: dict = {"__metadata__": {**self._metadata, **BlockHasher.metadata(self._total, digests, self._block)}}
+        offset = 0
+        for name, dtype, shape in self._layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        return encoded + b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
 
     def write(self, name: str, parts: Iterable[torch.Tensor]) -> None:
         """Write tensor `name` from consecutive dim-0 pieces, each written as soon as it arrives."""
@@ -168,7 +231,9 @@ class StreamingWriter:
         for part in parts:
             blob = part.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             if blob.numel():
-                self._file.write(memoryview(blob.numpy()))
+                view = memoryview(blob.numpy())
+                self._file.write(view)
+                self._hasher.update(view)
             written += blob.numel()
         if written != nbytes:
             raise RuntimeError(f"{name}: {written} bytes, header says {nbytes}")
@@ -177,6 +242,10 @@ class StreamingWriter:
     def close(self) -> None:
         if self._next != len(self._order):
             raise RuntimeError(f"closed after {self._next} of {len(self._order)} tensors")
+        final = self._header(self._hasher.hexdigests())
+        assert len(final) == self._header_bytes, "digests changed the header's length"
+        self._file.seek(8)
+        self._file.write(final)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

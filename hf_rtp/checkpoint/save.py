@@ -4,7 +4,7 @@ Every rank calls it. Ring rank 0 of the first replica writes (Topology.is_writer
 reach it one at a time (dim-0 chunks streamed from their owners in its ring), so it holds at most
 two foreign chunks beyond its own parameters, never a whole tensor, let alone the model (I7).
 The other replicas hold the same chunks and only wait for the verdict.
-Files are staged in a hidden folder and committed as atomic.commit_save describes: at every instant
+Files are staged in a hidden folder and committed as commit.py describes: at every instant
 the folder holds the complete old or the complete new checkpoint (finished by the next hf_rtp load
 or save when a crash hit the commit itself), never a mix.
 """
@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -27,13 +26,12 @@ from ..log import info, progress, warning
 from ..mesh import Topology, raise_if_any_failed
 from ..sharding import ChunkLayout
 from ..state import state_of
-from .atomic import JOURNAL, commit_save, recover_save
-from .files import INDEX_NAME, SINGLE_NAME
+from . import commit
+from .commit import INDEX_NAME, SINGLE_NAME
 from .conversion import own
 from .keys import tie_targets
 from .safetensors_io import CheckpointError, StreamingWriter
 
-_STAGING_PREFIX = ".hf_rtp-staging-"
 # what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
 _IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", "distributed_checkpoint"}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -168,7 +166,7 @@ def save_pretrained(
     model.config.dtype = str(next(model.parameters()).dtype).split(".")[1]
     model.config.architectures = [type(model).__name__]
 
-    staging, error = None, None
+    staging, lock, error = None, None, None
 
     def attempt(step):
         """Run one of the writer's file steps unless an earlier one failed; remember the first failure.
@@ -184,6 +182,7 @@ def save_pretrained(
         return None
 
     if writer_rank:
+        lock = attempt(lambda: _lock(save_directory))
         staging = attempt(lambda: _prepare_staging(save_directory))
     bar = progress(None, desc="Saving model", total=len(names))
     try:
@@ -203,24 +202,33 @@ def save_pretrained(
                 attempt(writer.close)
         if writer_rank:
             attempt(lambda: _write_metadata(model, staging, shards, filenames, sizes))
-            attempt(lambda: commit_save(staging, save_directory, filenames))
+            attempt(lambda: commit.commit(staging, save_directory, filenames))
             if error is None:
                 info(f"Model weights saved in {save_directory}")
     finally:
         bar.close()
         # a staging folder a journal names holds part of the new checkpoint: the next load finishes it
-        if staging is not None and os.path.isdir(staging) and not os.path.exists(os.path.join(save_directory, JOURNAL)):
-            shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None and os.path.isdir(staging) and not os.path.lexists(os.path.join(save_directory, commit.JOURNAL)):
+            commit.remove_staging(staging)
+        if lock is not None:
+            lock.release()
     raise_if_any_failed(error, topology.control, CheckpointError)
 
 
-def _prepare_staging(directory: str) -> str:
+def _lock(directory: str):
     os.makedirs(directory, exist_ok=True)
-    recover_save(directory)  # a commit a crash interrupted holds the newest complete checkpoint: finish it
-    for stale in os.listdir(directory):  # what is left was killed before its commit began: the old one stands
-        if stale.startswith(_STAGING_PREFIX):
-            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=directory)
+    return commit.lock(directory).acquire()
+
+
+def _prepare_staging(directory: str) -> str:
+    """Under the folder's lock: finish a commit a crash interrupted (it holds the newest complete
+    checkpoint), refuse to save over a journal that cannot be proven hf_rtp's, and remove staging
+    folders of saves killed before their commit (the old checkpoint stands)."""
+    commit.finish_interrupted(directory)
+    for stale in os.listdir(directory):
+        if stale.startswith(commit.STAGING_PREFIX):
+            commit.remove_staging(os.path.join(directory, stale))
+    return commit.new_staging(directory)
 
 
 def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:

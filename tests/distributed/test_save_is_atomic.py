@@ -17,8 +17,10 @@ def _fail_second_save(ckpt, out):
     rank = int(os.environ["RANK"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
     model.save_pretrained(out)
-    if rank == 0:  # the writer's leftover from a save that was killed; only the writer makes these
+    if rank == 0:  # hf_rtp's name, but no marker of a save of its own: not hf_rtp's to remove
         os.makedirs(os.path.join(out, ".hf_rtp-staging-killed"), exist_ok=True)
+        with open(os.path.join(out, ".hf_rtp-staging-killed", "notes.txt"), "w") as f:
+            f.write("mine")
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -39,7 +41,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
     errors = run_on_ranks(_fail_second_save, 2, ckpt, out)
     assert "File too large" in errors[0]
     assert errors[1].startswith("CheckpointError: rank 0 failed: OSError") and "File too large" in errors[1]
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == [".hf_rtp-staging-killed", "config.json", "generation_config.json", "model.safetensors"]
+    assert open(os.path.join(out, ".hf_rtp-staging-killed", "notes.txt")).read() == "mine"
     saved, original = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(ckpt, "model.safetensors"))
     assert saved.keys() == original.keys()
     assert all(torch.equal(saved[k], original[k]) for k in saved)  # the first save, untouched

@@ -107,16 +107,28 @@ def test_hf_rtp_timeout_holds_when_accelerate_made_the_process_group(tmp_path):
     assert "ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT)" in message
 
 
-@pytest.mark.parametrize("variable, value", [("HF_RTP_TIMEOUT", "10 minutes"), ("HF_RTP_ENTRY_TIMEOUT", "-1")])
+@pytest.mark.parametrize("variable, value", [
+    ("HF_RTP_TIMEOUT", "10 minutes"), ("HF_RTP_ENTRY_TIMEOUT", "-1"), ("HF_RTP_TIMEOUT", "1e14"),
+    ("HF_RTP_TIMEOUT", "100000000000000"), ("HF_RTP_ENTRY_TIMEOUT", "1e20"), ("HF_RTP_TIMEOUT", "0.001"),
+    ("HF_RTP_ENTRY_TIMEOUT", "8d"),
+])
 def test_a_bad_timeout_setting_is_a_clear_error(tmp_path, monkeypatch, variable, value):
     import hf_rtp
 
     monkeypatch.setenv(variable, value)
-    with pytest.raises(hf_rtp.TopologyError, match=f"{variable} .*positive duration: seconds like 600, or 90s, 10m, 1h.*{value}"):
-        hf_rtp.from_pretrained(make_tiny("llama", tmp_path / "ckpt"))
+    with pytest.raises(hf_rtp.TopologyError, match=f"{variable} .*from 1 second to 7 days: seconds like 600, or 90s.*'{value}'"):
+        hf_rtp.from_pretrained(str(tmp_path / "checked-before-it-is-read"))
 
 
-@pytest.mark.parametrize("value, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2M ", 120)])
+@pytest.mark.parametrize("value", [1e14, 0.001, float("nan"), float("inf")])
+def test_a_timeout_argument_out_of_range_is_a_clear_error(tmp_path, value):
+    import hf_rtp
+
+    with pytest.raises(hf_rtp.TopologyError, match=r"HF_RTP_TIMEOUT \(or timeout=\) must be a duration from 1 second"):
+        hf_rtp.from_pretrained(str(tmp_path / "checked-before-it-is-read"), timeout=value)
+
+
+@pytest.mark.parametrize("value, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2M ", 120), ("1", 1), ("7d", 604800)])
 def test_timeouts_take_seconds_or_a_unit(monkeypatch, value, seconds):
     from hf_rtp.mesh import DEFAULT_TIMEOUT, as_timedelta
 

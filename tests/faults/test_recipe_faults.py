@@ -1,16 +1,15 @@
 """The recipe under torchrun with one rank killed or stopped at a named point (HF_RTP_FAULT): the live
 rank fails within its timeout with a message naming the likely cause, and the last checkpoint loads."""
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+from support.spawn import kill_launcher, kill_matching
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
@@ -36,10 +35,10 @@ def _torchrun(out, *extra, fault=None, cause=None):
                 time.sleep(0.2)
             seconds = time.monotonic() - start
         finally:
-            # the whole session, even after torchrun exits: a SIGSTOPped rank it left would stay behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            # torchrun, and every rank it started in a session of its own: a SIGSTOPped one would stay
+            # behind; and any rank of this run (its --output_dir is unique) that torchrun already left
+            kill_launcher(job)
+            kill_matching(out)
         err.seek(0)
         return job.returncode, err.read(), seconds
 

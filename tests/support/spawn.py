@@ -119,6 +119,56 @@ def finish_launchers(procs, timeout: float) -> list[str]:
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_launcher(proc)
     return outputs
+
+
+def kill_launcher(proc) -> None:
+    """SIGKILL a launcher (started with start_new_session=True), its process group and every process
+    under it. torchrun starts each rank in a session of its own, so killing the launcher's group
+    alone leaves its ranks behind (a SIGSTOPped one forever); they are found through /proc first,
+    while they are still the launcher's descendants."""
+    import signal
+
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_matching(text: str) -> None:
+    """SIGKILL every process whose command line holds `text` (a test's own unique folder)."""
+    import signal
+
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        os.kill(int(entry), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass

@@ -96,3 +96,36 @@ def test_tensors_must_tile_the_data_as_safetensors_requires(tmp_path, edit, extr
         load_file(path)
     with pytest.raises(CheckpointError, match=message):
         read_header(path)
+
+
+def _written(path, tensors, block_bytes=4096):
+    writer = StreamingWriter(path, [(n, t.dtype, t.shape) for n, t in tensors.items()], {"format": "pt"}, block_bytes)
+    for name, tensor in tensors.items():
+        writer.write(name, [tensor])
+    writer.close()
+
+
+def test_streamed_files_carry_block_digests_that_every_read_is_checked_against(tmp_path):
+    path = str(tmp_path / "d.safetensors")
+    tensors = {"a": torch.randn(300, 7), "b": torch.randn(1000, 3).to(torch.bfloat16)}  # 8400 + 6000 bytes
+    _written(path, tensors)
+    assert all(torch.equal(load_file(path)[n], t) for n, t in tensors.items())  # vanilla reads it as before
+    entries = read_header(path)
+    assert entries["a"].blocks is not None and entries["a"].blocks.block == 4096
+    for start, end in [(0, 300), (1, 2), (140, 150), (145, 299), (299, 300)]:  # reads that end inside blocks
+        assert torch.equal(read_rows(entries["a"], start, end), tensors["a"][start:end])
+    assert torch.equal(read_rows(entries["b"], 7, 993), tensors["b"][7:993])
+    with open(path, "r+b") as f:  # one flipped byte, inside b's rows 600-700
+        f.seek(entries["b"].offset + 650 * entries["b"].row_bytes)
+        f.write(b"\xff")
+    assert torch.equal(read_rows(entries["b"], 0, 500), tensors["b"][:500])  # other blocks are still good
+    with pytest.raises(CheckpointError, match="do not match the digest hf_rtp recorded"):
+        read_rows(entries["b"], 651, 652)  # a single row of that block: the block is read whole and checked
+
+
+def test_digests_that_do_not_fit_the_data_are_a_damaged_file(tmp_path):
+    path = str(tmp_path / "d.safetensors")
+    _written(path, {"a": torch.randn(300, 7)})
+    _rewrite_header(path, lambda h: {**h, "__metadata__": {**h["__metadata__"], "hf_rtp.block_sha256": "00"}})
+    with pytest.raises(CheckpointError, match="carries block digests that do not fit its data"):
+        read_header(path)

@@ -1,0 +1,257 @@
+"""save_pretrained's commit into a folder that is the user's: staged, journaled, finished or left alone.
+
+The folder may hold other files (a tokenizer, checkpoint-* folders, the user's own), so it cannot be
+swapped; its files are. The writer, holding the folder's lock (ownership.FolderLock):
+
+1. stages the new files in `.hf_rtp-staging-<save id>`, beside a marker that records the id;
+2. writes the journal: the save id, and the identity (inode, size, mtime) of every file it will
+   move in, replace, set aside or remove;
+3. sets the old entry point aside into the staging folder: a loader in the window finds no entry
+   point (an error), never old and new files mixed;
+4. moves the files in, the new entry point last; removes the old index's shards the new save does
+   not use; removes its staging folder, then the journal.
+
+A crash in 3-4 leaves the journal, and the next hf_rtp load or save of the folder finishes the commit
+(`recover`), but only when the folder still holds exactly what the crash left: the journal is a
+regular file in hf_rtp's format, its staging folder a real child folder whose marker holds the same
+id, and every file the rest of the commit would touch has the identity the journal recorded. A
+journal that fails any check (copied in by an archive, planted, or stale because a newer save,
+vanilla or not, has since written the folder) is never acted on: a warning (on load) or an error
+(on save) names it, and nothing is deleted, moved or overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+
+from .. import faults
+from ..errors import CheckpointError
+from ..log import logger
+from .atomic import fsync_dir, fsync_tree
+from .ownership import FolderLock, identity, is_real_dir, read_json, remove_files, remove_folder, write_json
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+JOURNAL = ".hf_rtp-commit.json"
+STAGING_PREFIX = ".hf_rtp-staging-"
+MARKER = ".hf_rtp-save.json"
+LOCK = ".hf_rtp-save.lock"
+ASIDE = ".old"
+_FORMAT = "hf_rtp-commit/2"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def own_name(name: str) -> bool:
+    """A name save_pretrained writes: only such files are ever staged, moved or removed."""
+    return name in (SINGLE_NAME, INDEX_NAME, "config.json", "generation_config.json") or bool(_SHARD.fullmatch(name))
+
+
+class Refused(CheckpointError):
+    """The folder does not hold what hf_rtp's journal recorded: nothing was touched."""
+
+
+def lock(directory: str) -> FolderLock:
+    return FolderLock(os.path.join(directory, LOCK), directory)
+
+
+def new_staging(directory: str) -> str:
+    """An empty staging folder of this save, named by a fresh id that its marker records too."""
+    save_id = secrets.token_hex(16)
+    staging = os.path.join(directory, STAGING_PREFIX + save_id)
+    os.mkdir(staging, 0o700)
+    write_json(os.path.join(staging, MARKER), {"hf_rtp_save": save_id})
+    return staging
+
+
+def remove_staging(staging: str) -> None:
+    """Remove a staging folder provided it is provably hf_rtp's and holds only what a save stages;
+    anything else is left in place and named in a warning."""
+    name = os.path.basename(staging)
+    reason = _not_own_staging(staging, name[len(STAGING_PREFIX):])
+    if reason is None:
+        inside = os.listdir(staging)
+        foreign = [n for n in inside if n != MARKER and not own_name(n)]
+        reason = f"it holds {', '.join(sorted(foreign)[:5])}, which a save does not stage" if foreign else None
+    if reason is None:
+        left = remove_folder(staging, [n for n in inside if n != MARKER] + [MARKER])
+        reason = f"{', '.join(left)} could not be removed" if left else None
+    if reason is not None:
+        logger.warning(f"hf_rtp left {staging} in place: {reason}. Remove it yourself if it is not needed")
+
+
+def _not_own_staging(staging: str, save_id: str) -> str | None:
+    """Why `staging` is not provably the staging folder of save `save_id`; None when it is."""
+    if not _ID.fullmatch(save_id or ""):
+        return "its name does not carry a save id"
+    if not is_real_dir(staging):
+        return "it is not a folder of its own (a link, or a file)"
+    try:
+        marker = read_json(os.path.join(staging, MARKER), "hf_rtp's staging marker", limit=4096, follow_links=False)
+    except CheckpointError as err:
+        return str(err)
+    if marker != {"hf_rtp_save": save_id}:
+        return "its marker names another save"
+    return None
+
+
+def commit(staging: str, directory: str, filenames: list[str]) -> None:
+    """Move a complete staged save into `directory` (the writer holds the folder's lock)."""
+    entry = INDEX_NAME if len(filenames) > 1 else SINGLE_NAME
+    staged = sorted(n for n in os.listdir(staging) if n != MARKER)
+    for name in list(staged):  # unchanged configs stay: a one-file re-save is then one rename
+        if name != entry and name not in filenames and _same_bytes(os.path.join(staging, name), os.path.join(directory, name)):
+            os.remove(os.path.join(staging, name))
+            staged.remove(name)
+    fsync_tree(staging)
+    faults.point("save.commit")
+    old_entries = [n for n in (INDEX_NAME, SINGLE_NAME) if identity(os.path.join(directory, n)) is not None]
+    here = {n: identity(os.path.join(directory, n)) for n in staged}
+    record = {
+        "format": _FORMAT,
+        "save_id": os.path.basename(staging)[len(STAGING_PREFIX):],
+        "staging": os.path.basename(staging),
+        "entry": entry,
+        "moves": {n: {"new": identity(os.path.join(staging, n)), "old": here[n]} for n in staged},
+        "aside": {n: identity(os.path.join(directory, n)) for n in old_entries},
+        "remove": _unused_old_shards(directory, old_entries, filenames),
+    }
+    if old_entries and not (old_entries == [entry] and staged == [entry]):  # else one atomic rename
+        write_json(os.path.join(directory, JOURNAL), record)
+    else:
+        record["aside"] = {}
+    _finish(directory, record)
+
+
+def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[str]) -> dict[str, list[int]]:
+    """The shards the old index names and the new save does not write, with their identities now.
+    Only these are removed after the commit (vanilla removes the same ones by name pattern alone)."""
+    if INDEX_NAME not in old_entries:
+        return {}
+    try:
+        weight_map = read_json(os.path.join(directory, INDEX_NAME), "the old index").get("weight_map", {})
+        shards = {f for f in weight_map.values() if isinstance(f, str) and _SHARD.fullmatch(f)}
+    except (CheckpointError, AttributeError):
+        return {}  # an unreadable old index: leave its shards alone
+    return {f: identity(os.path.join(directory, f)) for f in sorted(shards - set(filenames))
+            if identity(os.path.join(directory, f)) is not None}
+
+
+def recover(directory: str) -> None:
+    """On load: finish a commit a crash interrupted, when the folder provably holds what it left. Nothing
+    to do without a journal; any doubt, or another save holding the folder, leaves it as it is, with a
+    warning that says why."""
+    if identity(os.path.join(directory, JOURNAL)) is None:
+        return
+    try:
+        with lock(directory):
+            finish_interrupted(directory)
+    except CheckpointError as err:
+        logger.warning(f"hf_rtp did not touch {directory}: {err}")
+    except OSError as err:  # a read-only folder, say: the journal stays for a load that can write
+        logger.warning(f"hf_rtp could not finish the interrupted save in {directory}: {err}")
+
+
+def finish_interrupted(directory: str) -> None:
+    """Under the folder's lock: finish an interrupted commit, or raise Refused without touching anything."""
+    if identity(os.path.join(directory, JOURNAL)) is not None:
+        _finish(directory, _read_journal(directory))
+
+
+def _read_journal(directory: str) -> dict:
+    path = os.path.join(directory, JOURNAL)
+    try:
+        record = read_json(path, "hf_rtp's commit journal", limit=1 << 20, follow_links=False)
+    except CheckpointError as err:
+        raise Refused(f"{err}. {_BY_HAND}") from None
+    try:
+        save_id = record["save_id"]
+        valid = (
+            record["format"] == _FORMAT
+            and _ID.fullmatch(save_id)
+            and record["staging"] == STAGING_PREFIX + save_id
+            and record["entry"] in (SINGLE_NAME, INDEX_NAME)
+            and all(own_name(n) and _ident(m["new"]) and (m["old"] is None or _ident(m["old"]))
+                    for n, m in record["moves"].items())
+            and all(n in (SINGLE_NAME, INDEX_NAME) and _ident(i) for n, i in record["aside"].items())
+            and all(_SHARD.fullmatch(n) and _ident(i) for n, i in record["remove"].items())
+        )
+    except (KeyError, TypeError, AttributeError):
+        valid = False
+    if not valid:
+        raise Refused(f"{path} is not a journal this version of hf_rtp wrote. {_BY_HAND}")
+    return record
+
+
+def _ident(value) -> bool:
+    return isinstance(value, list) and len(value) == 4 and all(isinstance(x, int) for x in value)
+
+
+_BY_HAND = (
+    "If an hf_rtp save into this folder was interrupted, check which files you want, then delete "
+    ".hf_rtp-commit.json and the .hf_rtp-staging-* folder; otherwise save the model again elsewhere"
+)
+
+
+def _finish(directory: str, record: dict) -> None:
+    """Check that every file the rest of the commit touches is as the journal recorded, then do it:
+    the one path for a save's own commit and for the recovery of one a crash interrupted."""
+    staging = os.path.join(directory, record["staging"])
+    aside = [n for n, i in record["aside"].items() if _expect(directory, n, (i,), "set aside") is not None]
+    pending = [n for n, m in record["moves"].items() if _expect(directory, n, (m["new"], m["old"]), "replaced") != m["new"]]
+    for name in (SINGLE_NAME, INDEX_NAME):  # an entry point the journal does not account for is a newer save's
+        move = record["moves"].get(name, {})
+        _expect(directory, name, (move.get("new"), move.get("old"), record["aside"].get(name)), "replaced")
+    if pending or aside:
+        reason = _not_own_staging(staging, record["save_id"])
+        if reason is not None:
+            raise Refused(
+                f"{directory} holds an interrupted save whose staging folder {record['staging']} is not usable "
+                f"({reason}), so neither the old nor the new checkpoint is complete there: save the model again"
+            )
+        for name in pending:
+            if identity(os.path.join(staging, name)) != record["moves"][name]["new"]:
+                raise Refused(f"{os.path.join(staging, name)} is not the file hf_rtp staged. {_BY_HAND}")
+    if aside:
+        os.makedirs(os.path.join(staging, ASIDE), exist_ok=True)
+        for name in aside:
+            os.replace(os.path.join(directory, name), os.path.join(staging, ASIDE, name))
+        fsync_dir(directory)
+    pending.sort(key=lambda n: n == record["entry"])  # the file that makes it loadable, last
+    for i, name in enumerate(pending):
+        if i == len(pending) // 2:
+            faults.point("save.commit.mid")
+        os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    fsync_dir(directory)
+    remove_files(directory, record["remove"], expected=record["remove"])
+    if is_real_dir(os.path.join(staging, ASIDE)):
+        remove_folder(os.path.join(staging, ASIDE), record["aside"], expected=record["aside"])
+    if is_real_dir(staging):
+        remove_staging(staging)
+    if identity(os.path.join(directory, JOURNAL)) is not None:
+        os.remove(os.path.join(directory, JOURNAL))
+    fsync_dir(directory)
+
+
+def _expect(directory: str, name: str, allowed, action: str) -> list[int] | None:
+    """The identity of `name` in the folder, which must be absent or one the journal recorded."""
+    now = identity(os.path.join(directory, name))
+    if now is not None and now not in allowed:
+        raise Refused(
+            f"{os.path.join(directory, name)} was written after hf_rtp's interrupted save began; finishing that save "
+            f"would have {action} it. {_BY_HAND}"
+        )
+    return now
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    try:
+        if not stat.S_ISREG(os.lstat(b).st_mode) or os.path.getsize(a) != os.path.getsize(b):
+            return False
+    except FileNotFoundError:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()  # only ever config files, a few KB

@@ -1,0 +1,116 @@
+"""Per-block digests of a safetensors file's data, so that a rank reading 1/N of a file can prove its
+rows are the bytes that were saved.
+
+Files hf_rtp writes carry, in the safetensors header's `__metadata__` (which vanilla transformers and
+the safetensors library pass over), the block size and a 128-bit SHA-256 prefix of every 1 MiB block
+of the data section. A rank verifies every block its reads touch: the edges of a read that end
+inside a block are read whole (at most two extra blocks per read). Ranks compare file headers, so
+verified rows on every rank mean bytes of one and the same file. Vanilla-saved files have no
+digests; fingerprint.py proves their bytes another way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+
+BLOCK_BYTES = 1 << 20
+SIZE_KEY, DIGESTS_KEY = "hf_rtp.block_bytes", "hf_rtp.block_sha256"
+_HEX = 32  # characters per block: the first 128 bits of its SHA-256
+
+
+def _blocks(total: int, block: int) -> int:
+    return -(-total // block)
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(data).hexdigest()[:_HEX]
+
+
+class BlockHasher:
+    """Digests of a data section written front to back (the streaming writer feeds it as it writes)."""
+
+    def __init__(self, total: int, block: int = BLOCK_BYTES):
+        self.block, self._out, self._current, self._filled = block, [], hashlib.sha256(), 0
+
+    @staticmethod
+    def metadata(total: int, digests: str | None = None, block: int = BLOCK_BYTES) -> dict[str, str]:
+        """What the header records; with digests=None a placeholder of the same length, so the header
+        can be written before the data and rewritten in place after it."""
+        return {SIZE_KEY: str(block), DIGESTS_KEY: digests or "0" * (_HEX * _blocks(total, block))}
+
+    def update(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data):
+            take = min(len(data), self.block - self._filled)
+            self._current.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.block:
+                self._close_block()
+
+    def hexdigests(self) -> str:
+        if self._filled:
+            self._close_block()
+        return "".join(self._out)
+
+    def _close_block(self) -> None:
+        self._out.append(self._current.hexdigest()[:_HEX])
+        self._current, self._filled = hashlib.sha256(), 0
+
+
+@dataclass(frozen=True)
+class BlockDigests:
+    path: str
+    data_start: int
+    data_size: int
+    block: int
+    digests: str
+
+    @classmethod
+    def from_metadata(cls, path: str, data_start: int, data_size: int, metadata) -> "BlockDigests | None":
+        if not isinstance(metadata, dict) or DIGESTS_KEY not in metadata:
+            return None
+        block, digests = metadata.get(SIZE_KEY), metadata[DIGESTS_KEY]
+        valid = (
+            isinstance(block, str) and block.isdigit() and 4096 <= int(block) <= 1 << 30
+            and isinstance(digests, str) and len(digests) == _HEX * _blocks(data_size, int(block))
+            and re.fullmatch(r"[0-9a-f]*", digests)
+        )
+        if not valid:
+            raise CheckpointError(f"{path} carries block digests that do not fit its data: it is damaged, save it again")
+        return cls(path, data_start, data_size, int(block), digests)
+
+    def verify(self, offset: int, data: memoryview) -> None:
+        """Check bytes `data`, read from absolute file position `offset`, against the recorded blocks."""
+        data = data.cast("B")
+        begin, end = offset - self.data_start, offset - self.data_start + len(data)
+        if not len(data):
+            return
+        fd = None
+        try:
+            for k in range(begin // self.block, (end - 1) // self.block + 1):
+                lo, hi = k * self.block, min((k + 1) * self.block, self.data_size)
+                if begin <= lo and hi <= end:
+                    got = _digest(data[lo - begin : hi - begin])
+                else:  # a read that starts or ends inside the block: read the block whole
+                    fd = os.open(self.path, os.O_RDONLY) if fd is None else fd
+                    whole = os.pread(fd, hi - lo, self.data_start + lo)
+                    a, b = max(lo, begin), min(hi, end)
+                    if whole[a - lo : b - lo] != data[a - begin : b - begin]:
+                        got = "changed while being read"
+                    else:
+                        got = _digest(whole)
+                if got != self.digests[k * _HEX : (k + 1) * _HEX]:
+                    raise CheckpointError(
+                        f"{self.path}: bytes {self.data_start + lo}-{self.data_start + hi} do not match the digest hf_rtp "
+                        "recorded when it saved the file: the file is damaged, or was changed after it was saved. "
+                        "Copy or save the checkpoint again"
+                    )
+        finally:
+            if fd is not None:
+                os.close(fd)
