@@ -14,6 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
@@ -86,7 +89,14 @@ class BlockDigests:
         return cls(path, data_start, data_size, int(block), digests)
 
     def verify(self, offset: int, data: memoryview) -> None:
-        """Check bytes `data`, read from absolute file position `offset`, against the recorded blocks."""
+        """Check bytes `data`, read from absolute file position `offset`, against the recorded blocks;
+        inside `overlapped()`, on a worker thread while the caller reads on."""
+        if _overlap is not None:
+            _overlap.submit(self._verify, offset, data)
+        else:
+            self._verify(offset, data)
+
+    def _verify(self, offset: int, data: memoryview) -> None:
         data = data.cast("B")
         begin, end = offset - self.data_start, offset - self.data_start + len(data)
         if not len(data):
@@ -114,3 +124,43 @@ class BlockDigests:
         finally:
             if fd is not None:
                 os.close(fd)
+
+
+class _Overlap:
+    """Verification on worker threads (hashlib releases the GIL), at most `limit` bytes behind the reads."""
+
+    def __init__(self, pool: ThreadPoolExecutor, limit: int):
+        self.pool, self.limit, self.futures = pool, limit, []
+        self.room = threading.BoundedSemaphore(max(1, limit // BLOCK_BYTES))
+
+    def submit(self, verify, offset: int, data: memoryview) -> None:
+        units = max(1, min(len(data) // BLOCK_BYTES, self.limit // BLOCK_BYTES))
+        for _ in range(units):
+            self.room.acquire()
+
+        def job():
+            try:
+                verify(offset, data)
+            finally:
+                for _ in range(units):
+                    self.room.release()
+
+        self.futures.append(self.pool.submit(job))
+
+
+_overlap: _Overlap | None = None
+
+
+@contextmanager
+def overlapped(limit: int = 256 << 20):
+    """Within this block (one reader thread), block checks run beside the reads; leaving it waits for
+    them all and raises the first mismatch. Bytes being checked stay referenced until checked."""
+    global _overlap
+    with ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1))) as pool:
+        _overlap = _Overlap(pool, limit)
+        try:
+            yield
+        finally:
+            futures, _overlap = _overlap.futures, None
+            for future in futures:
+                future.result()

@@ -12,6 +12,7 @@ from ..log import progress
 from ..mesh import raise_if_any_failed
 from .commit import recover
 from .files import find_weights
+from .digests import overlapped
 from .fingerprint import agree_on_read, prove_files, tensor_digest
 from .keys import Want, wants_for
 from .safetensors_io import TensorEntry
@@ -26,7 +27,7 @@ def read_proven(
     tensors, read, error = {}, {}, None
     try:
         faults.point("load.read")
-        tensors, read = read_local(entries, wants, dtype, topology.device)
+        tensors, read = read_local(entries, wants, dtype, topology.device, compare=topology.world_size > 1)
     except Exception as err:
         error = err
     raise_if_any_failed(error, topology.control, CheckpointError)
@@ -35,10 +36,12 @@ def read_proven(
 
 
 def read_local(
-    entries: dict[str, TensorEntry], wants: dict[str, Want], dtype: torch.dtype, device: torch.device
+    entries: dict[str, TensorEntry], wants: dict[str, Want], dtype: torch.dtype, device: torch.device,
+    compare: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read every wanted tensor (or its rows) from disk, checked against the model's shapes; and the
-    SHA-256 of each tensor read whole (replicated ones), which every rank must share."""
+    SHA-256 of each tensor read whole (replicated ones), which every rank must share (with `compare`:
+    alone, there is nobody to compare with)."""
     missing = sorted({name for want in wants.values() for name in want.source.names} - set(entries))
     if missing:
         raise CheckpointError(
@@ -63,13 +66,14 @@ def read_local(
     first = {n: entries[w.source.names[0]] for n, w in wants.items()}
     order = sorted(wants, key=lambda n: (first[n].path, first[n].offset))
     out, digests = {}, {}
-    for name in progress(order, desc="Loading checkpoint shards"):
-        tensor = wants[name].source.read(entries, wants[name].rows)
-        if wants[name].rows is None:
-            digests[name] = tensor_digest(tensor)
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        out[name] = tensor.to(device)
+    with overlapped():  # block digests are checked on worker threads while the next tensor is read
+        for name in progress(order, desc="Loading checkpoint shards"):
+            tensor = wants[name].source.read(entries, wants[name].rows)
+            if compare and wants[name].rows is None:
+                digests[name] = tensor_digest(tensor)
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            out[name] = tensor.to(device)
     return out, digests
 
 
