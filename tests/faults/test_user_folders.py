@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from support.folders import make_victim, old_journal, plant_hostile, snapshot, unplanted
 from support.models import make_tiny_llama
 from transformers import AutoModelForCausalLM

@@ -108,9 +108,8 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None):
 
 def finish_launchers(procs, timeout: float) -> list[str]:
     """The output of each launcher (subprocess.Popen with start_new_session=True, stdout piped), after
-    it exits; any still running when the wait ends is killed with its whole process group, so that no
-    rank left waiting for a peer outlives the test."""
-    import signal
+    it exits; any still running when the wait ends is killed with every process under it (kill_launcher),
+    so that no rank left waiting for a peer outlives the test."""
 
     outputs = []
     try:
