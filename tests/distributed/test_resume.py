@@ -4,22 +4,16 @@ import os
 
 import torch
 from safetensors.torch import load_file, save_file
-from support.models import global_batch, make_tiny
+from support.models import make_tiny, trained_one_step
 from support.spawn import run_on_ranks
 
 
 def _train_and_save(ckpt, state_dir, reference):
-    import hf_rtp
     from hf_rtp.checkpoint.resume import save_training_state
     from torch.distributed.tensor import DTensor
 
     rank = int(os.environ["RANK"])
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = global_batch(2)[rank]
-    model(input_ids=batch, labels=batch).loss.backward()
-    hf_rtp.sync_grads(model)
-    optimizer.step()
+    model, optimizer = trained_one_step(ckpt)
     save_training_state(state_dir, model, optimizer, extra={"step": 1, "samples_seen": 4})
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.detach()  # noqa: E731
     names = {p: n for n, p in model.named_parameters()}

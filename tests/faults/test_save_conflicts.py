@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from support.folders import snapshot
-from support.models import global_batch, make_tiny_llama
+from support.models import make_tiny_llama, trained_one_step
 from support.spawn import run_on_ranks
 
 import hf_rtp
@@ -93,12 +93,7 @@ def _save_state_with_a_full_disk(ckpt, target):
     import resource
 
     rank = int(os.environ["RANK"])
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = global_batch(2)[rank]
-    model(input_ids=batch, labels=batch).loss.backward()
-    hf_rtp.sync_grads(model)
-    optimizer.step()
+    model, optimizer = trained_one_step(ckpt)
     hf_rtp.save_training_state(target, model, optimizer, extra={"step": 1})
     if rank == 1:  # a real write failure inside DCP's writer: the kernel refuses files past 20 kB (EFBIG)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

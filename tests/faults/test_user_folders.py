@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from support.folders import make_victim, old_journal, plant_hostile, snapshot, unplanted
-from support.models import make_tiny_llama
+from support.models import make_tiny_llama, trained_one_step
 from transformers import AutoModelForCausalLM
 
 import hf_rtp
@@ -121,22 +121,13 @@ def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_i
     assert (tmp_path / "out" / "tokenizer.json").read_text() == "the user's"
 
 
-def _model_and_optimizer(ckpt):
-    model = hf_rtp.from_pretrained(ckpt).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = torch.arange(12).reshape(2, 6)
-    model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def _fresh(ckpt):
     model = hf_rtp.from_pretrained(ckpt).train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def test_a_training_state_is_never_saved_over_the_users_files(ckpt, tmp_path):
-    model, optimizer = _model_and_optimizer(ckpt)
+    model, optimizer = trained_one_step(ckpt)
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -152,7 +143,7 @@ def test_a_training_state_is_never_saved_over_the_users_files(ckpt, tmp_path):
 
 @pytest.mark.parametrize("kind", ["file", "link"])
 def test_a_training_state_target_that_is_a_file_or_a_link_is_refused_untouched(ckpt, tmp_path, kind):
-    model, optimizer = _model_and_optimizer(ckpt)
+    model, optimizer = trained_one_step(ckpt)
     target = tmp_path / "ckpt-state"
     if kind == "file":
         target.write_text("the user's")
@@ -166,7 +157,7 @@ def test_a_training_state_target_that_is_a_file_or_a_link_is_refused_untouched(c
 
 
 def test_a_foreign_partial_folder_in_the_way_is_refused_untouched(ckpt, tmp_path):
-    model, optimizer = _model_and_optimizer(ckpt)
+    model, optimizer = trained_one_step(ckpt)
     (tmp_path / "state.partial").mkdir()
     (tmp_path / "state.partial" / "draft.txt").write_text("the user's")
     before = snapshot(tmp_path)
@@ -177,7 +168,7 @@ def test_a_foreign_partial_folder_in_the_way_is_refused_untouched(ckpt, tmp_path
 
 @pytest.mark.parametrize("spelling", ["{tmp}/state/", "{tmp}/state//", "~/state", "state", "./state/"])
 def test_training_state_paths_are_normalised(ckpt, tmp_path, monkeypatch, spelling):
-    model, optimizer = _model_and_optimizer(ckpt)
+    model, optimizer = trained_one_step(ckpt)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     path = spelling.format(tmp=tmp_path)
@@ -188,7 +179,7 @@ def test_training_state_paths_are_normalised(ckpt, tmp_path, monkeypatch, spelli
 
 
 def test_extra_cannot_overwrite_hf_rtps_records(ckpt, tmp_path):
-    model, optimizer = _model_and_optimizer(ckpt)
+    model, optimizer = trained_one_step(ckpt)
     extra = {"files": ["mine"], "rng": 1, "param_groups": None, "scheduler": "x", "identity": {}, "world_size": 8,
              "format": 99, "extra": {"nested": True}, "step": 5}
     hf_rtp.save_training_state(str(tmp_path / "state"), model, optimizer, extra=extra)
@@ -203,7 +194,7 @@ def test_extra_cannot_overwrite_hf_rtps_records(ckpt, tmp_path):
 def test_a_checkpoint_saved_before_extra_had_its_own_key_still_resumes(ckpt, tmp_path):
     import json
 
-    model, optimizer = _model_and_optimizer(ckpt)
+    model, optimizer = trained_one_step(ckpt)
     state = tmp_path / "state"
     hf_rtp.save_training_state(str(state), model, optimizer, extra={"step": 4})
     record = json.loads((state / "training_state.json").read_text())

@@ -102,3 +102,18 @@ def fake_hub_cache(root, repo, commits):
     with open(os.path.join(base, "refs", "main"), "w") as f:
         f.write(list(commits)[-1])
     return root
+
+
+def trained_one_step(ckpt, lr: float = 1e-2):
+    """hf_rtp's model (float32, train mode) after one AdamW step on this rank's batch of global_batch:
+    (model, optimizer). Works in a spawned rank and in a single process alike."""
+    import hf_rtp
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch = global_batch(world)[rank]
+    model(input_ids=batch, labels=batch).loss.backward()
+    hf_rtp.sync_grads(model)
+    optimizer.step()
+    return model, optimizer
