@@ -94,35 +94,38 @@ def _hub_cache(root, checkpoint) -> str:
     return os.path.join(base, "snapshots", commit)
 
 
-def _load_from_cache(caches, verify):
+def _load_from_caches(runs):
+    """Each of `runs` ([cache per rank], verify) in turn, in one pair of ranks: the error of each, or None."""
     rank = int(os.environ["RANK"])
     os.environ["LOCAL_RANK"] = "0"  # each rank the first of its node, with a cache of its own
-    try:
-        hf_rtp.from_pretrained("org/tiny", cache_dir=caches[rank], verify_weights=verify)
-    except hf_rtp.CheckpointError as err:
-        return str(err)
-    return None
+    outcomes = []
+    for caches, verify in runs:
+        try:
+            hf_rtp.from_pretrained("org/tiny", cache_dir=caches[rank], verify_weights=verify)
+            outcomes.append(None)
+        except hf_rtp.CheckpointError as err:
+            outcomes.append(str(err))
+    return outcomes
 
 
-def _damage_blob(snapshot, name, rows=None):
+def _damaged_cache(root, checkpoint, name, rows=None):
+    snapshot = _hub_cache(root, checkpoint)
     blob = os.path.realpath(os.path.join(snapshot, "model.safetensors"))
     _patch(os.path.dirname(blob), name, rows, file=os.path.basename(blob))
+    return root
 
 
 def test_the_hubs_hash_proves_equal_blobs_and_full_verification_catches_a_damaged_one(checkpoints, tmp_path):
-    caches = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    snapshots = [_hub_cache(c, checkpoints["vanilla"]) for c in caches]
-    assert run_on_ranks(_load_from_cache, 2, caches, "auto") == [None, None]
-
-    _damage_blob(snapshots[1], "model.norm.weight")  # rank 1's cached blob, read whole by every rank
-    for message in run_on_ranks(_load_from_cache, 2, caches, "auto"):
-        assert "rank 1 read other weight bytes than rank 0 for model.norm.weight" in message
-
-    caches[1] = str(tmp_path / "node1-again")  # an intact cache again, then damage elsewhere
-    snapshots[1] = _hub_cache(caches[1], checkpoints["vanilla"])
-    _damage_blob(snapshots[1], "lm_head.weight", rows=(60, 64))  # rows only rank 1 reads
-    # what "auto" does not catch (README): a damaged cached blob still bears the Hub's name for it, and
-    # rows only one rank reads are compared with nothing
-    assert run_on_ranks(_load_from_cache, 2, caches, "auto") == [None, None]
-    for message in run_on_ranks(_load_from_cache, 2, caches, "full"):
-        assert "does not match the SHA-256 the Hub recorded for it" in message
+    intact = [str(tmp_path / "node0"), str(tmp_path / "node1")]  # one cache per node, as downloaded
+    for cache in intact:
+        _hub_cache(cache, checkpoints["vanilla"])
+    norm = _damaged_cache(str(tmp_path / "norm"), checkpoints["vanilla"], "model.norm.weight")  # read whole by all
+    rows = _damaged_cache(str(tmp_path / "rows"), checkpoints["vanilla"], "lm_head.weight", (60, 64))  # rank 1's rows
+    runs = [(intact, "auto"), ([intact[0], norm], "auto"), ([intact[0], rows], "auto"), ([intact[0], rows], "full")]
+    for equal, damaged_norm, damaged_rows, full in run_on_ranks(_load_from_caches, 2, runs):  # per rank
+        assert equal is None
+        assert "rank 1 read other weight bytes than rank 0 for model.norm.weight" in damaged_norm
+        # what "auto" does not catch (README): a damaged cached blob still bears the Hub's name for it,
+        # and rows only one rank reads are compared with nothing
+        assert damaged_rows is None
+        assert "does not match the SHA-256 the Hub recorded for it" in full

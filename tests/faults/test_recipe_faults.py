@@ -22,8 +22,11 @@ def _torchrun(out, *extra, fault=None, cause=None):
     """Run the recipe on 2 ranks; with `cause`, until that text is on stderr (a live rank's error),
     then stop the job: torchrun itself would wait 30 s more for a SIGSTOPped rank to die."""
     env = dict(ENV, **({"HF_RTP_FAULT": fault} if fault else {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", FINETUNE, "--output_dir", out,
-           "--eval_every", "0", "--save_every", "2", *extra]
+    # With a fault, torchrun looks at its ranks only every 60 s: it would otherwise SIGTERM the live rank
+    # as soon as it sees the killed one die, before that rank can report the cause (on a busy machine)
+    monitor = ["--monitor-interval", "60"] if fault else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *monitor, FINETUNE, "--output_dir",
+           out, "--eval_every", "0", "--save_every", "2", *extra]
     start = time.monotonic()
     with tempfile.TemporaryFile("w+") as err:
         job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
