@@ -205,16 +205,15 @@ def _finish(directory: str, record: dict) -> None:
     for name in (SINGLE_NAME, INDEX_NAME):  # an entry point the journal does not account for is a newer save's
         move = record["moves"].get(name, {})
         _expect(directory, name, (move.get("new"), move.get("old"), record["aside"].get(name)), "replaced")
-    if pending or aside:
-        reason = _not_own_staging(staging, record["save_id"])
-        if reason is not None:
-            raise Refused(
-                f"{directory} holds an interrupted save whose staging folder {record['staging']} is not usable "
-                f"({reason}), so neither the old nor the new checkpoint is complete there: save the model again"
-            )
-        for name in pending:
-            if identity(os.path.join(staging, name)) != record["moves"][name]["new"]:
-                raise Refused(f"{os.path.join(staging, name)} is not the file hf_rtp staged. {_BY_HAND}")
+    reason = _not_own_staging(staging, record["save_id"])  # the proof, before anything is touched
+    if reason is not None:
+        raise Refused(
+            f"{directory} holds an interrupted save whose staging folder {record['staging']} is not usable "
+            f"({reason}), so neither the old nor the new checkpoint is complete there. {_BY_HAND}"
+        )
+    for name in pending:
+        if identity(os.path.join(staging, name)) != record["moves"][name]["new"]:
+            raise Refused(f"{os.path.join(staging, name)} is not the file hf_rtp staged. {_BY_HAND}")
     if aside:
         os.makedirs(os.path.join(staging, ASIDE), exist_ok=True)
         for name in aside:
@@ -229,11 +228,10 @@ def _finish(directory: str, record: dict) -> None:
     remove_files(directory, record["remove"], expected=record["remove"])
     if is_real_dir(os.path.join(staging, ASIDE)):
         remove_folder(os.path.join(staging, ASIDE), record["aside"], expected=record["aside"])
-    if is_real_dir(staging):
-        remove_staging(staging)
     if identity(os.path.join(directory, JOURNAL)) is not None:
         os.remove(os.path.join(directory, JOURNAL))
     fsync_dir(directory)
+    remove_staging(staging)  # last: while the journal exists, its staging folder (and marker) is its proof
 
 
 def _expect(directory: str, name: str, allowed, action: str) -> list[int] | None:

@@ -69,7 +69,10 @@ def read_json(path: str, what: str, limit: int = MAX_JSON_BYTES, follow_links: b
 
 
 def write_json(path: str, data) -> None:
-    """Write through a temporary name and rename: a reader sees the whole old or the whole new file."""
+    """Write a new file through a temporary name and rename: a reader sees nothing or the whole file.
+    Only ever a file hf_rtp creates (a journal, a marker): an existing one is refused, never replaced."""
+    if os.path.lexists(path):
+        raise CheckpointError(f"{path} already exists; hf_rtp writes it only where none is")
     temporary = f"{path}.{secrets.token_hex(4)}.tmp"
     with open(temporary, "x") as f:  # "x": never through a link, never over a file someone else left there
         json.dump(data, f)

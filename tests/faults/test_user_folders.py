@@ -202,3 +202,28 @@ def test_a_checkpoint_saved_before_extra_had_its_own_key_still_resumes(ckpt, tmp
     del record["extra"]
     (state / "training_state.json").write_text(json.dumps(record))
     assert hf_rtp.load_training_state(str(state), *_fresh(ckpt)) == {"step": 4}
+
+
+def test_a_forged_journal_that_matches_every_file_still_removes_nothing_without_its_staging_folder(ckpt, tmp_path, hf_rtp_warnings):
+    """A journal can be written to match the folder exactly (its files' inodes, sizes and times) and
+    list the user's shards to remove; without the staging folder and marker of its save, nothing is."""
+    import json
+    import stat as stat_
+
+    folder = shutil.copytree(ckpt, tmp_path / "cloned")
+    (folder / "model-00001-of-00002.safetensors").write_text("the user's")
+
+    def ident(name):
+        st = os.lstat(folder / name)
+        return [stat_.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns]
+
+    save_id = "f" * 32
+    (folder / ".hf_rtp-commit.json").write_text(json.dumps({
+        "format": "hf_rtp-commit/2", "save_id": save_id, "staging": ".hf_rtp-staging-" + save_id,
+        "entry": "model.safetensors", "moves": {"model.safetensors": {"new": ident("model.safetensors"), "old": None}},
+        "aside": {}, "remove": {"model-00001-of-00002.safetensors": ident("model-00001-of-00002.safetensors")},
+    }))
+    before = snapshot(tmp_path)
+    hf_rtp.from_pretrained(str(folder))
+    assert snapshot(tmp_path) == before
+    assert "staging folder .hf_rtp-staging-ffff" in hf_rtp_warnings.text
