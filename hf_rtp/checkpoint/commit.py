@@ -9,7 +9,8 @@ swapped; its files are. The writer, holding the folder's lock (ownership.FolderL
 3. sets the old entry point aside into the staging folder: a loader in the window finds no entry
    point (an error), never old and new files mixed;
 4. moves the files in, the new entry point last; removes the old index's shards the new save does
-   not use; removes its staging folder, then the journal.
+   not use; removes the journal, then its staging folder (a crash between the two leaves
+   only a staging folder, which the next save removes once its marker proves it hf_rtp's).
 
 A crash in 3-4 leaves the journal, and the next hf_rtp load or save of the folder finishes the commit
 (`recover`), but only when the folder still holds exactly what the crash left: the journal is a
