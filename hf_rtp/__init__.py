@@ -13,10 +13,10 @@ from .errors import (
     UnsupportedModelError,
 )
 from .integrations.accelerate import Accelerator
-from .state import is_rotated, state_of
-from .training import ignore_rotated_in_ddp, sync_grads
-
-__version__ = "0.1.0"
+from .integrations.trainer import attach_trainer
+from .model.state import is_rotated, state_of
+from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
+from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
 __all__ = [
     "Accelerator",
@@ -28,6 +28,7 @@ __all__ = [
     "RotatedStateError",
     "TopologyError",
     "UnsupportedModelError",
+    "attach_trainer",
     "from_pretrained",
     "ignore_rotated_in_ddp",
     "is_rotated",

@@ -1,29 +1,40 @@
-"""from_pretrained: orchestration only. Each step lives in its own module."""
+"""from_pretrained: orchestration only, each step in its own module; and `bind`, the one place that
+attaches anything to a loaded model."""
 
 from __future__ import annotations
 
 import os
 import stat
+import types
 from datetime import timedelta
 
 import torch
 from accelerate import init_empty_weights
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from . import faults, log, plans
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
-from .checkpoint.keys import tie_targets, untie_stored_apart, wants_for
+from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
-from .checkpoint.save import parse_size
+from .checkpoint.save import push, save_pretrained
+from .dist.agreement import agreed
+from .dist.rotated import keep_rotated
+from .dist.topology import setup
 from .errors import CheckpointError, TopologyError
-from .fused_head import install_forward
 from .integrations.accelerate import check_accelerate_state
-from .mesh import raise_if_any_failed, setup
+from .integrations.peft import make_peft_use_global_features
+from .integrations.trainer import adopt_caller, check_attached
+from .model.data_parallel import ignore_rotated_in_ddp
+from .model.fused_head import install_forward
+from .model.generation import generate
+from .model.install import install
+from .model.state import ATTRIBUTE, RTPState
+from .model.ties import tie_targets
 from .plans.auto import auto_plan
-from .rotate import install
-from .state import RTPState, bind
+from .settings import DEFAULT_PIECE_SIZE, Settings
 
 
 def from_pretrained(
@@ -39,7 +50,7 @@ def from_pretrained(
     token: str | bool | None = None,
     cache_dir: str | None = None,
     local_files_only: bool = False,
-    rotation_piece_size: int | str = "16MB",
+    rotation_piece_size: int | str = DEFAULT_PIECE_SIZE,
     fused_loss: bool = True,
     verify_weights: str = "auto",
     **config_kwargs,
@@ -80,17 +91,10 @@ def from_pretrained(
             also hash every file whole (one rank per copy) against every recorded hash.
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
-    if verify_weights not in ("auto", "full"):
-        raise ValueError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
-    piece_bytes = parse_size(rotation_piece_size, "rotation_piece_size")
-    topology = setup(device, device_mesh, timeout, rtp_size)
-    topology.ring.piece_bytes = piece_bytes
-    error = None
-    try:
+    settings = Settings.resolve(device, timeout, rotation_piece_size, verify_weights, fused_loss)
+    topology = setup(settings, device_mesh, rtp_size)
+    with agreed(topology.control, TopologyError):
         faults.check()  # a misspelt fault point is an error, not a test that injects nothing
-    except ValueError as err:
-        error = err
-    raise_if_any_failed(error, topology.control, TopologyError)
     check_accelerate_state(topology.world_size)  # an Accelerator that runs undistributed: fail before loading
     directory, commit = resolve_directory(
         os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only, topology.control
@@ -100,17 +104,13 @@ def from_pretrained(
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
     plan = _named_plan(plan)
-    entries, error = {}, None
-    try:
+    with agreed(topology.control, CheckpointError):  # one rank's bad file is everyone's error
         entries = find_weights(directory).tensors()
-    except Exception as err:
-        error = err
-    raise_if_any_failed(error, topology.control, CheckpointError)  # one rank's bad file is everyone's error
     dtype = _resolve_dtype(dtype, config, entries)
     config.dtype = dtype  # as vanilla records it
     # before any other collective: ranks holding other files would otherwise meet in different ones
-    agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=piece_bytes,
-                      dtype=dtype, verify=verify_weights), topology.control)
+    agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=settings.piece_bytes,
+                      dtype=dtype, verify=settings.verify_weights), topology.control)
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -118,13 +118,9 @@ def from_pretrained(
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
 
-    wants, sources = {}, {}
-    try:
+    with agreed(topology.control, CheckpointError):
         wants, sources = wants_for(model, resolution, topology, entries)
-    except Exception as err:
-        error = err
-    raise_if_any_failed(error, topology.control, CheckpointError)
-    tensors = read_proven(entries, wants, dtype, topology, verify_weights)
+    tensors = read_proven(entries, wants, dtype, topology, settings.verify_weights)
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
@@ -133,7 +129,7 @@ def from_pretrained(
     install(model, resolution, tensors, topology)
     model.generation_config = _generation_config(directory, model)
     bind(model, RTPState(topology, plan, resolution, sources))
-    install_forward(model, fused=fused_loss and topology.rtp_size > 1)
+    install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)
     log.info(
         f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s)"
         + (f" as {topology.dp_size} replicas of {topology.rtp_size}-rank rings" if topology.dp_size > 1 else "")
@@ -141,6 +137,40 @@ def from_pretrained(
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
     )
     return model.eval()  # as transformers' from_pretrained does
+
+
+def bind(model: nn.Module, state: RTPState) -> nn.Module:
+    """Everything hf_rtp attaches to a loaded model: its state, the collective save/push/generate, the
+    DDP ignore list, Trainer adoption on `.to()`, and the guard that makes ranks meet at each forward."""
+    object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.push_to_hub = types.MethodType(push, model)
+    model.generate = types.MethodType(generate, model)
+    ignore_rotated_in_ddp(model)
+
+    def _apply(self, fn, recurse=True):  # every Trainer moves its model to a device in __init__
+        adopt_caller(self)
+        applied = type(self)._apply(self, fn, recurse)
+        keep_rotated(self)
+        return applied
+
+    model._apply = types.MethodType(_apply, model)
+    if state.topology.world_size > 1:
+        # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
+        # skips the model's hooks, but every causal LM calls its backbone as a module.
+        backbone = getattr(model, "base_model", None) or model
+        backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
+        make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
+    return model
+
+
+def _before_forward(state: RTPState) -> None:
+    # An Accelerator built after from_pretrained can still have come up undistributed: its prepare
+    # never tells us, its first forward does. A dict lookup when accelerate is not in use.
+    check_accelerate_state(state.topology.world_size)
+    check_attached()  # a Trainer that never placed the model is attached here, before it saves
+    faults.point("forward")
+    state.topology.enter("forward")
 
 
 def _generation_config(directory: str, model):

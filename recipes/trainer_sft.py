@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, Trainer, TrainingArguments
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_rtp  # noqa: E402
-from hf_rtp.mesh import DEFAULT_TIMEOUT, as_timedelta  # noqa: E402
+from hf_rtp.settings import collective_timeout  # noqa: E402
 from defaults import make_default  # noqa: E402
 from packing import load_texts, pack  # noqa: E402
 
@@ -75,7 +75,7 @@ def main(argv=None):
         ddp_find_unused_parameters=False,
         disable_tqdm=False,
         # Trainer's own waits (barriers, DDP) use this; the default 30 minutes would outlast hf_rtp's
-        ddp_timeout=int(as_timedelta(None, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT).total_seconds()),
+        ddp_timeout=int(collective_timeout().total_seconds()),
     )
     with training_args.main_process_first():
         if args.model is None or args.dataset is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..mesh import raise_if_any_failed
+from ..dist.agreement import agreed
 
 from ..errors import CheckpointError
 from .commit import INDEX_NAME, SINGLE_NAME, recover
@@ -99,14 +99,11 @@ def resolve_directory(
     cache (nodes need not share one), and the remaining ranks read it from their node's cache. So
     every rank reads one revision, even when caches on different nodes hold different `main`s.
     """
-    local, error = os.path.isdir(name_or_path), None
-    if local and (not dist.is_initialized() or dist.get_rank() == 0):
-        try:  # a save_pretrained that a crash interrupted mid-commit: finish it (when provably hf_rtp's)
-            recover(name_or_path)
-        except Exception as err:
-            error = err
+    local = os.path.isdir(name_or_path)
+    with agreed(group, CheckpointError):
+        if local and (not dist.is_initialized() or dist.get_rank() == 0):
+            recover(name_or_path)  # a save_pretrained a crash interrupted mid-commit: finished when provably hf_rtp's
     if dist.is_initialized():
-        raise_if_any_failed(error, group, CheckpointError)
         seen: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(seen, local, group=group)
         if len(set(seen)) > 1:
@@ -115,8 +112,6 @@ def resolve_directory(
                 f"rank(s) {[r for r, x in enumerate(seen) if not x]}; every rank must load the same checkpoint: put "
                 "it on a filesystem every node sees, or load it by Hub id"
             )
-    elif error is not None:
-        raise error
     if local:
         if not os.path.exists(os.path.join(name_or_path, "config.json")):
             raise CheckpointError(f"{name_or_path} has no config.json; is it a transformers checkpoint directory?")
@@ -125,28 +120,21 @@ def resolve_directory(
         path = _download(name_or_path, revision, token, cache_dir, local_files_only)
         return path, os.path.basename(path)
     rank, node_first = dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    path, commit, error = None, None, None
-    if rank == 0:
-        path, error = _try(lambda: _download(name_or_path, revision, token, cache_dir, local_files_only))
-        commit = os.path.basename(path) if path else None
-    raise_if_any_failed(error, group, CheckpointError)
+    path, commit = None, None
+    with agreed(group, CheckpointError):
+        if rank == 0:
+            path = _download(name_or_path, revision, token, cache_dir, local_files_only)
+            commit = os.path.basename(path)
     box = [commit]
     dist.broadcast_object_list(box, src=0, group=group)
     commit = box[0]
-    if rank != 0 and node_first:  # one download per node, of the commit rank 0 chose
-        path, error = _try(lambda: _download(name_or_path, commit, token, cache_dir, local_files_only, chosen=True))
-    raise_if_any_failed(error, group, CheckpointError)
-    if path is None:  # the node's first rank has it in this node's cache now
-        path, error = _try(lambda: _download(name_or_path, commit, token, cache_dir, True, chosen=True))
-    raise_if_any_failed(error, group, CheckpointError)
+    with agreed(group, CheckpointError):
+        if rank != 0 and node_first:  # one download per node, of the commit rank 0 chose
+            path = _download(name_or_path, commit, token, cache_dir, local_files_only, chosen=True)
+    with agreed(group, CheckpointError):
+        if path is None:  # the node's first rank has it in this node's cache now
+            path = _download(name_or_path, commit, token, cache_dir, True, chosen=True)
     return path, commit
-
-
-def _try(step):
-    try:
-        return step(), None
-    except CheckpointError as err:
-        return None, err
 
 
 def _download(name_or_path, revision, token, cache_dir, only_cached, chosen=False) -> str:

@@ -28,6 +28,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from ..dist.agreement import agreed
 from ..errors import CheckpointError
 from ..log import warning
 from .safetensors_io import TensorEntry
@@ -52,7 +53,7 @@ def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_
     """`plan` as given to from_pretrained: a Plan (its rules count) or a name ("auto", a model_type)."""
     import transformers
 
-    from .. import __version__
+    from ..version import __version__
 
     settings = json.loads(config.to_json_string(use_diff=False))
     settings.pop("_name_or_path", None)  # a byte-identical copy in another folder is the same checkpoint
@@ -133,23 +134,17 @@ def prove_files(entries: dict[str, TensorEntry], group, verify: str = "auto") ->
     mine = {name: (identities[name], _hub_sha256(e.path), e.blocks is not None) for name, e in files.items()}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    hashed, error = {}, None
-    todo = _to_hash(everyone, verify)
-    try:
+    hashed, todo = {}, _to_hash(everyone, verify)
+    with agreed(group, CheckpointError):  # a read error too: every rank must reach the gather below
         for name, ranks in todo.items():
             if rank in ranks:
                 hashed[name] = hash_file(files[name])
                 _check_recorded(files[name], hashed[name])
-    except Exception as err:  # a read error too: every rank must reach the gather below
-        error = err if isinstance(err, CheckpointError) else CheckpointError(f"hashing {err}")
     results: list = [None] * world
-    dist.all_gather_object(results, (hashed, str(error) if error else None), group=group)
-    failed = [(r, message) for r, (_, message) in enumerate(results) if message]
-    if failed:
-        raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+    dist.all_gather_object(results, hashed, group=group)
     differing = []
     for name in todo:
-        seen = {r: h[name] for r, (h, _) in enumerate(results) if name in h}
+        seen = {r: h[name] for r, h in enumerate(results) if name in h}
         if len(set(seen.values())) > 1:
             differing.append(f"{name} ({', '.join(f'rank {r}: #{d[:12]}' for r, d in sorted(seen.items()))})")
     if differing:

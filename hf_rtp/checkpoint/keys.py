@@ -13,18 +13,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..log import warning
-from ..mesh import Topology
+from ..dist.topology import Topology
+from ..model.ties import tie_targets
 from ..plans import Resolution
-from ..sharding import chunk_rows
+from ..dist.sharding import chunk_rows
 from .conversion import Source, own, stored_sources
 from .safetensors_io import TensorEntry, read_rows
-
-
-def tie_targets(model: nn.Module) -> dict[str, str]:
-    """target -> source for the weights this model ties (lm_head -> embed_tokens when tied)."""
-    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    return {t: s for t, s in tied.items() if t in names and s in names}
 
 
 def untie_stored_apart(model: nn.Module, entries: dict[str, TensorEntry], topology: Topology) -> list[str]:

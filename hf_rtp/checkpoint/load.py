@@ -1,4 +1,4 @@
-"""Read what each rank keeps: its rows of rotated tensors, all of replicated ones (I6)."""
+"""Read what each rank keeps: its rows of rotated tensors, all of replicated ones (DESIGN.md I6)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from .. import faults
 from ..errors import CheckpointError
 from ..layers.common import local
 from ..log import progress
-from ..mesh import raise_if_any_failed
+from ..dist.agreement import agreed
 from .commit import recover
 from .files import find_weights
 from .digests import overlapped
 from .fingerprint import agree_on_read, prove_files, tensor_digest
 from .keys import Want, wants_for
+from ..model.state import rotated_module, state_of
 from .safetensors_io import TensorEntry
 
 
@@ -24,13 +25,9 @@ def read_proven(
     """Collective. Every rank's tensors (or rows), once the ranks have proven they read one checkpoint's
     bytes: file by file before the read, replicated tensors' digests after it (fingerprint.py)."""
     identities = prove_files(entries, topology.control, verify)
-    tensors, read, error = {}, {}, None
-    try:
+    with agreed(topology.control, CheckpointError):
         faults.point("load.read")
         tensors, read = read_local(entries, wants, dtype, topology.device, compare=topology.world_size > 1)
-    except Exception as err:
-        error = err
-    raise_if_any_failed(error, topology.control, CheckpointError)
     agree_on_read(read, identities, entries, topology.control)
     return tensors
 
@@ -80,23 +77,14 @@ def read_local(
 def load_into(model: nn.Module, directory: str) -> None:
     """Collective. Overwrite a rotated model's weights with those of a standard checkpoint (a Trainer's
     best checkpoint, say), each rank reading only its rows, as from_pretrained does."""
-    from ..state import rotated_module, state_of  # state imports the checkpoint package
-
     base, state = rotated_module(model), state_of(model)
-    topology, error, tensors = state.topology, None, {}
-    if topology.rank == 0:
-        try:  # a save_pretrained there that a crash interrupted mid-commit: finish it (when provably hf_rtp's)
+    topology = state.topology
+    with agreed(topology.control, CheckpointError):
+        if topology.rank == 0:  # a save_pretrained a crash interrupted mid-commit: finished when provably hf_rtp's
             recover(directory)
-        except Exception as err:
-            error = err
-    raise_if_any_failed(error, topology.control, CheckpointError)
-    entries, wants = {}, {}
-    try:
+    with agreed(topology.control, CheckpointError):
         entries = find_weights(directory).tensors()
         wants, _ = wants_for(base, state.resolution, topology, entries)
-    except Exception as err:
-        error = err
-    raise_if_any_failed(error, topology.control, CheckpointError)
     tensors = read_proven(entries, wants, next(base.parameters()).dtype, topology)
     with torch.no_grad():
         for name, tensor in tensors.items():

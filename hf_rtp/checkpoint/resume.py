@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .. import faults
 from ..errors import CheckpointError, HfRtpError
-from ..mesh import raise_if_any_failed
-from ..state import state_of
+from ..dist.agreement import agreed
+from ..model.state import state_of
 from .atomic import recover_folder, replace_folder
 from .ownership import FolderLock, is_real_dir, read_json, write_json
 from .safetensors_io import read_header
@@ -64,30 +64,27 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     directory = _normalised(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     partial, group = f"{directory}.partial", _control(model)
-    error, lock = None, None
-    if rank == 0:
-        try:
-            _check_extra(extra)
-            os.makedirs(os.path.dirname(directory), exist_ok=True)
-            lock = FolderLock(directory + ".lock", directory).acquire()
-            _check_target(directory)
-            recover_folder(directory, _is_complete, _own_names, clean=True)
-            if os.path.lexists(partial):
-                raise CheckpointError(f"{partial} is in the way of this save and was not written by hf_rtp: move it away")
-            os.mkdir(partial)
-            write_json(os.path.join(partial, MARKER), {"hf_rtp_state": True})
-        except Exception as err:
-            error = err
+    lock = None
     try:
-        raise_if_any_failed(error, group, CheckpointError)
+        with agreed(group, CheckpointError):
+            if rank == 0:
+                _check_extra(extra)
+                os.makedirs(os.path.dirname(directory), exist_ok=True)
+                lock = FolderLock(directory + ".lock", directory).acquire()
+                _check_target(directory)
+                recover_folder(directory, _is_complete, _own_names, clean=True)
+                if os.path.lexists(partial):
+                    raise CheckpointError(f"{partial} is in the way of this save and was not written by hf_rtp: move it away")
+                os.mkdir(partial)
+                write_json(os.path.join(partial, MARKER), {"hf_rtp_state": True})
         _, optim_sd, flat = _tensors(model, optimizer)
         writer = dcp.HuggingFaceStorageWriter(partial, save_distributed=True)
         with _named_waits("save_training_state", directory):
             dcp.save(flat, storage_writer=writer, process_group=group)  # hf_rtp's timeout, not the world's
             faults.point("state.write")
             rng = _gather_rng(group)
-        if rank == 0:
-            try:
+        with agreed(group, CheckpointError):
+            if rank == 0:
                 files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
                 state = {
                     "format": _FORMAT,
@@ -101,12 +98,9 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                 }
                 _write_json(os.path.join(partial, STATE_FILE), state)
                 replace_folder(partial, directory, _own_names)
-            except Exception as err:
-                error = err
     finally:
         if lock is not None:
             lock.release()
-    raise_if_any_failed(error, group, CheckpointError)
 
 
 def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=None) -> dict:
@@ -119,23 +113,15 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     """
     directory = _normalised(directory)
     group, rank = _control(model), dist.get_rank() if dist.is_initialized() else 0
-    error = None
-    if rank == 0:
-        try:  # a swap a crash interrupted: put the newer complete folder in place (nothing else is touched)
-            if not os.path.lexists(directory) and any(os.path.lexists(directory + s) for s in (".partial", ".old")):
-                with FolderLock(directory + ".lock", directory):
-                    recover_folder(directory, _is_complete, _own_names, clean=False)
-        except Exception as err:
-            error = err
-    raise_if_any_failed(error, group, CheckpointError)
+    with agreed(group, CheckpointError):
+        # a swap a crash interrupted: put the newer complete folder in place (nothing else is touched)
+        if rank == 0 and not os.path.lexists(directory) and any(os.path.lexists(directory + s) for s in (".partial", ".old")):
+            with FolderLock(directory + ".lock", directory):
+                recover_folder(directory, _is_complete, _own_names, clean=False)
     model_sd, optim_sd, flat = _tensors(model, optimizer)
-    state = None
-    try:
+    with agreed(group, CheckpointError):
         state = _read_state(directory)
         _verify(directory, state, flat, model, optim_sd)
-    except Exception as err:
-        error = err
-    raise_if_any_failed(error, group, CheckpointError)
     with _named_waits("load_training_state", directory):
         dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
         optim_sd["param_groups"] = state["param_groups"]

@@ -2,7 +2,7 @@
 
 Format: an 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
 then the raw bytes. Dim-0 rows of a tensor are contiguous, so a rank reads its chunk with one
-positioned read (I6). We avoid mmap on purpose: pages of a mapped file that a rank touches count
+positioned read (DESIGN.md I6). We avoid mmap on purpose: pages of a mapped file that a rank touches count
 in its resident memory for as long as the map lives, which would double a rank's load peak.
 The header is checked against the file size, so a truncated or corrupt file is an error that names
 the file, never garbage weights.

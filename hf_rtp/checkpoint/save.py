@@ -2,7 +2,7 @@
 
 Every rank calls it. Ring rank 0 of the first replica writes (Topology.is_writer); rotated tensors
 reach it one at a time (dim-0 chunks streamed from their owners in its ring), so it holds at most
-two foreign chunks beyond its own parameters, never a whole tensor, let alone the model (I7).
+two foreign chunks beyond its own parameters, never a whole tensor, let alone the model (DESIGN.md I7).
 The other replicas hold the same chunks and only wait for the verdict.
 Files are staged in a hidden folder and committed as commit.py describes: at every instant
 the folder holds the complete old or the complete new checkpoint (finished by the next hf_rtp load
@@ -23,28 +23,19 @@ from torch.distributed.tensor import DTensor
 
 from .. import faults
 from ..log import info, progress, warning
-from ..mesh import Topology, raise_if_any_failed
-from ..sharding import ChunkLayout
-from ..state import state_of
+from ..dist.agreement import Attempts, agreed
+from ..dist.topology import Topology
+from ..dist.sharding import ChunkLayout
+from ..model.state import state_of
+from ..model.ties import tie_targets
+from ..settings import parse_size
 from . import commit
 from .commit import INDEX_NAME, SINGLE_NAME
 from .conversion import own
-from .keys import tie_targets
 from .safetensors_io import CheckpointError, StreamingWriter
 
 # what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
 _IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", "distributed_checkpoint"}
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(size: int | str, what: str = "max_shard_size") -> int:
-    """'5GB' -> 5 * 10**9 and '5GiB' -> 5 * 2**30, as transformers reads max_shard_size."""
-    if isinstance(size, int) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", size.upper()) if isinstance(size, str) else None
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"{what} must be a positive number of bytes or a size like '5GB', got {size!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -166,20 +157,11 @@ def save_pretrained(
     model.config.dtype = str(next(model.parameters()).dtype).split(".")[1]
     model.config.architectures = [type(model).__name__]
 
-    staging, lock, error = None, None, None
-
-    def attempt(step):
-        """Run one of the writer's file steps unless an earlier one failed; remember the first failure.
-
-        The transfers go on regardless, so no rank is left waiting for a writer that gave up.
-        """
-        nonlocal error
-        if error is None:
-            try:
-                return step()
-            except Exception as err:  # disk full, permissions: reported to every rank at the end
-                error = err
-        return None
+    staging, lock = None, None
+    # The writer's file steps: after a failure (disk full, permissions) the rest are skipped but the
+    # transfers go on, so no rank is left waiting for a writer that gave up; every rank hears at the end.
+    attempts = Attempts()
+    attempt = attempts.attempt
 
     if writer_rank:
         lock = attempt(lambda: _lock(save_directory))
@@ -203,7 +185,7 @@ def save_pretrained(
         if writer_rank:
             attempt(lambda: _write_metadata(model, staging, shards, filenames, sizes))
             attempt(lambda: commit.commit(staging, save_directory, filenames))
-            if error is None:
+            if attempts.error is None:
                 info(f"Model weights saved in {save_directory}")
     finally:
         bar.close()
@@ -212,7 +194,8 @@ def save_pretrained(
             commit.remove_staging(staging)
         if lock is not None:
             lock.release()
-    raise_if_any_failed(error, topology.control, CheckpointError)
+    with agreed(topology.control, CheckpointError):
+        attempts.raise_first()
 
 
 def _lock(directory: str):
@@ -269,13 +252,10 @@ def push(
         folder = scratch.name
     try:
         save_pretrained(model, folder, max_shard_size=max_shard_size)
-        result, error = None, None
-        if topology.is_writer:  # the rank that wrote the folder
-            try:
+        result = None
+        with agreed(topology.control, CheckpointError):
+            if topology.is_writer:  # the rank that wrote the folder
                 result = upload_folder(folder, repo_id, commit_message, private, token, create_pr, revision)
-            except Exception as err:
-                error = err
-        raise_if_any_failed(error, topology.control, CheckpointError)
         return result
     finally:
         if scratch is not None:

@@ -1,7 +1,7 @@
 """accelerate on a rotated model: `hf_rtp.Accelerator`, a drop-in subclass of accelerate's.
 
 accelerate saves from the main process, pickling or safetensors-writing each state dict whole: on
-rotated parameters that is rank 0's rows (pickling refuses, see mesh.RotationMesh). This subclass
+rotated parameters that is rank 0's rows (pickling refuses, see dist.rotated.RotationMesh). This subclass
 keeps everything accelerate saves and loads (schedulers, RNG, dataloaders, custom objects,
 non-rotated models) and takes the rotated models and their optimizers out of its hands: every rank
 writes and reads them through torch.distributed.checkpoint in `<dir>/hf_rtp_state_<i>`, which also
@@ -24,8 +24,8 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, TopologyError
-from ..mesh import DEFAULT_TIMEOUT, as_timedelta
-from ..state import rotated_module, state_of
+from ..settings import collective_timeout
+from ..model.state import rotated_module, state_of
 
 STATE_DIR = "hf_rtp_state_{}"
 
@@ -56,7 +56,7 @@ class Accelerator(accelerate.Accelerator):
             # accelerate's own waits (wait_for_everyone, DDP's all-reduce, gather) run on the world
             # group it creates, 30 minutes by default: give them hf_rtp's timeout, so a stopped rank
             # ends the run within HF_RTP_TIMEOUT wherever the others wait for it
-            handlers.append(InitProcessGroupKwargs(timeout=as_timedelta(None, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT)))
+            handlers.append(InitProcessGroupKwargs(timeout=collective_timeout()))
         super().__init__(*args, cpu=not torch.cuda.is_available() if cpu is None else cpu, kwargs_handlers=handlers, **kwargs)
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):

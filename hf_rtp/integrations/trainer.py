@@ -1,12 +1,12 @@
 """transformers.Trainer, and subclasses such as TRL's SFTTrainer, on a rotated model.
 
 Trainer saves from the main process only and pickles the optimizer. On a rotated model that would
-hang (save_pretrained is collective) or write rank 0's rows. hf_rtp therefore attaches itself to
-the Trainer instance that moves a rotated model to its device, which every Trainer's __init__
-does (see `adopt_caller`), and replaces five methods on that instance only; transformers itself
-is not patched:
+hang (save_pretrained is collective) or write rank 0's rows. `attach_trainer(trainer)` therefore
+replaces five methods on that Trainer instance only (transformers itself is not patched), after
+checking that the installed transformers declares them as the tested versions do:
 
-- save_model: the collective save_pretrained (every rank streams its rows to rank 0's files);
+- save_model: the collective save_pretrained (every rank streams its rows to rank 0's files), then
+  Trainer's own `_save` for the rest (processing class or the collator's tokenizer, training args);
 - _save_optimizer_and_scheduler / _load_optimizer_and_scheduler: model, optimizer and scheduler
   through torch.distributed.checkpoint in `checkpoint-N/hf_rtp_state`, which every rank writes
   and reads, so a resume is exact and works at another world size;
@@ -14,53 +14,124 @@ is not patched:
 
 A PEFT model's adapters are replicated, so Trainer's own main-process adapter save stays.
 TRL trainers also get hf_rtp's fused LM head (integrations.trl).
+
+Attachment is automatic when Trainer.__init__ moves the model to its device (`adopt_caller`, called
+from the model's `.to()`). A Trainer that does not (place_model_on_device=False, bf16_full_eval or
+fp16_full_eval) is found at its first forward (`check_attached`) and attached then, before any save;
+call `hf_rtp.attach_trainer(trainer)` right after building it to attach it before anything else.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import types
 
-import torch
+from packaging.version import Version
 
 from ..checkpoint.load import load_into
 from ..checkpoint.resume import load_training_state, save_training_state
+from ..errors import IntegrationError
 from ..log import warning
-from ..state import state_of
+from ..model.state import rotated_module, state_of
 from . import trl
 from .accelerate import check_processes
 
 STATE_DIR = "hf_rtp_state"
-_REPLACED = ("save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
-             "_load_from_checkpoint", "_load_best_model")
+TESTED = ((5, 0), (5, 24))  # transformers versions whose Trainer these replacements were checked against
+# The Trainer methods hf_rtp replaces, with the parameters they have in the tested versions
+_REPLACED = {
+    "save_model": ["self", "output_dir", "_internal_call"],
+    "_save_optimizer_and_scheduler": ["self", "output_dir"],
+    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+    "_load_best_model": ["self"],
+}
+_ATTACHED = "_hf_rtp_attached"
+# Trainer methods that call the model's forward: where `check_attached` looks for an unattached Trainer
+_CALLERS = ("compute_loss", "prediction_step", "training_step", "_get_per_token_logps_and_entropies",
+            "_compute_loss", "concatenated_forward")
 
 
-def adopt_caller(model) -> None:
-    """Attach to the Trainer whose `_move_model_to_device` is moving `model`, if one is."""
-    frame = sys._getframe(1)
-    for _ in range(32):  # Trainer -> (PEFT ->) nn.Module.to -> _apply recursion: a few frames up
-        if frame is None:
-            return
-        if frame.f_code.co_name == "_move_model_to_device":
-            from transformers import Trainer
+def attach_trainer(trainer):
+    """Make `trainer` save, resume and load its rotated model collectively and data-parallel correctly.
 
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer):
-                adopt(owner, model)
-            return
-        frame = frame.f_back
+    Automatic when Trainer.__init__ moves the model to its device; call it yourself right after building a
+    Trainer that does not (place_model_on_device=False, bf16_full_eval=True, fp16_full_eval=True). Raises
+    IntegrationError when the installed transformers declares the replaced methods differently from the
+    tested versions. Returns `trainer`.
+    """
+    return _attach(trainer, getattr(trainer, "model", None))
 
 
-def adopt(trainer, model) -> None:
-    """Make `trainer`'s saving and loading collective and data-parallel correct for rotated `model`."""
+def _attach(trainer, model):
+    """attach_trainer, for `model`: while Trainer.__init__ moves it, `trainer.model` is not set yet."""
+    if trainer.__dict__.get(_ATTACHED):
+        return trainer
+    if model is None or rotated_module(model) is None:
+        raise IntegrationError(f"{type(trainer).__name__}.model holds no model loaded with hf_rtp.from_pretrained")
     check_processes(trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)")
-    if trainer.__dict__.get("_hf_rtp_adopted"):
-        return
+    _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))
     trl.adopt(trainer)  # SFTTrainer's fused LM head, installed after this __init__ step, through the ring
-    trainer._hf_rtp_adopted = True
+    trl.replace_installed_head(rotated_module(model))  # or installed already, by a Trainer attached late
+    trainer.__dict__[_ATTACHED] = True
+    return trainer
+
+
+def _check_versions(cls) -> None:
+    import transformers
+
+    problems = []
+    if not TESTED[0] <= Version(transformers.__version__).release[:2] < TESTED[1]:
+        problems.append(f"transformers {transformers.__version__} is outside the tested versions (>=5.0, <5.24)")
+    for name, expected in _REPLACED.items():
+        found = list(inspect.signature(getattr(cls, name)).parameters) if hasattr(cls, name) else None
+        if found != expected:
+            problems.append(f"{cls.__name__}.{name} takes {found}, hf_rtp's replacement {expected}")
+    if problems:
+        raise IntegrationError(
+            "hf_rtp cannot attach to this Trainer: " + "; ".join(problems) + ". Install a tested transformers "
+            "(see hf_rtp's pyproject.toml), or save with model.save_pretrained and hf_rtp.save_training_state in "
+            "your own loop"
+        )
+
+
+def adopt_caller(model) -> None:
+    """Attach to the Trainer whose `_move_model_to_device` is moving `model`, if one is (the automatic path:
+    every Trainer that places its model does it in __init__, before TRL installs its fused head)."""
+    trainer = _trainer_in_stack(("_move_model_to_device",), depth=32)
+    if trainer is not None:
+        _attach(trainer, model)
+
+
+def check_attached() -> None:
+    """At a forward: a Trainer calling it that was never attached (it did not place the model in __init__)
+    is attached now, before it can save or resume; it is never left to save rank 0's rows."""
+    trainer = _trainer_in_stack(_CALLERS, depth=40)
+    if trainer is not None and not trainer.__dict__.get(_ATTACHED):
+        warning(f"{type(trainer).__name__} was not attached to hf_rtp when it was built (it did not move the model "
+                "to its device); attaching it at its first forward. Call hf_rtp.attach_trainer(trainer) after building it")
+        attach_trainer(trainer)
+
+
+def _trainer_in_stack(names: tuple[str, ...], depth: int):
+    """The Trainer whose method named in `names` is on the stack within `depth` frames, if any."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in names:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, transformers.Trainer):
+                return owner
+        frame = frame.f_back
+    return None
 
 
 def _is_peft(model) -> bool:
@@ -77,10 +148,14 @@ def save_model(self, output_dir: str | None = None, _internal_call: bool = False
     if _is_peft(model):  # replicated adapters: Trainer's main-process save is right
         return type(self).save_model(self, output_dir, _internal_call)
     model.save_pretrained(output_dir)  # collective
-    if self.args.should_save:
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))  # as Trainer writes it
+    if self.args.should_save:  # the rest as Trainer writes it: processing class or collator's tokenizer, args
+        rotated = rotated_module(model)
+        collective = rotated.__dict__["save_pretrained"]
+        rotated.save_pretrained = lambda *args, **kwargs: None  # written above, by every rank
+        try:
+            type(self)._save(self, output_dir)
+        finally:
+            rotated.save_pretrained = collective
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -8,33 +8,84 @@ on every rank. For a rotated model, `add_fused_lm_head` below installs a forward
 
 SFTTrainer calls `add_fused_lm_head` after Trainer.__init__ has moved the model, which is where hf_rtp
 adopts the trainer (integrations.trainer). Adoption points the name `add_fused_lm_head` in the
-trainer's TRL modules at the function below, which hands every model that is not rotated, and every
-option it does not reproduce, to TRL's own.
+trainer's TRL modules at the function below, which stands in for `trl.trainer.utils.add_fused_lm_head`
+(TRL 1.16, with the signature checked) and hands every model that is not rotated, and every
+option it does not reproduce, to TRL's own. Outside those versions nothing is replaced, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 
+from packaging.version import Version
+
 from .. import log
-from ..fused_head import read_head, token_losses
-from ..state import is_rotated
+from ..errors import IntegrationError
+from ..model.fused_head import read_head, token_losses
+from ..model.state import is_rotated
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks for
 _ORIGINAL = "_hf_rtp_original"
+TESTED = ((1, 16), (1, 17))  # TRL versions whose add_fused_lm_head this stands in for: from, up to (excluded)
+_PARAMETERS = ["model", "temperature", "cast_lm_head_to_fp32", "outputs"]
 
 
 def adopt(trainer) -> None:
     """Route `add_fused_lm_head` of every TRL module in `trainer`'s class hierarchy through hf_rtp."""
-    for cls in type(trainer).__mro__:
-        module = sys.modules.get(cls.__module__)
-        original = getattr(module, "add_fused_lm_head", None)
-        if cls.__module__.startswith("trl.") and original is not None and not hasattr(original, _ORIGINAL):
+    modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
+    originals = [getattr(m, "add_fused_lm_head", None) for m in modules]
+    if not any(o is not None and not hasattr(o, _ORIGINAL) for o in originals):
+        return
+    reason = _unsupported()
+    if reason is not None:
+        log.warning(f"hf_rtp leaves TRL's add_fused_lm_head alone ({reason}): with fused_lm_head=True it gathers "
+                    "the whole LM head on every rank")
+        return
+    for module, original in zip(modules, originals):
+        if original is not None and not hasattr(original, _ORIGINAL):
             routed = functools.wraps(original)(functools.partial(add_fused_lm_head, original=original))
             setattr(routed, _ORIGINAL, original)
             module.add_fused_lm_head = routed
+
+
+def replace_installed_head(model) -> None:
+    """A rotated model whose forward is TRL's own fused head (a TRL trainer attached only after its
+    __init__ installed it, which gathers the whole head on every rank): the same options, on the ring.
+    TRL's forward keeps what it was given in its closure; without those names hf_rtp refuses."""
+    forward = getattr(model.forward, "__func__", None)
+    # functools.wraps gave it the model's forward's names: the code and the globals tell whose it is
+    if forward is None or forward.__code__.co_name != "_fused_forward" or not forward.__globals__.get("__name__", "").startswith("trl."):
+        return
+    given = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__ or ())))
+    wanted = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs")
+    reason = _unsupported() or (None if all(k in given for k in wanted) else f"its fused forward keeps {sorted(given)}")
+    if reason is not None:
+        raise IntegrationError(
+            f"TRL installed its own fused LM head on the rotated model before hf_rtp was attached to the trainer, and "
+            f"hf_rtp cannot take it over ({reason}): it would gather the whole head on every rank. Build the trainer "
+            "so that it places the model (no place_model_on_device=False, bf16_full_eval or fp16_full_eval)"
+        )
+    from trl.trainer import utils
+
+    model.forward = given["original_forward"]
+    add_fused_lm_head(model, given["temperature"], given["cast_lm_head_to_fp32"], tuple(given["outputs"]),
+                      original=utils.add_fused_lm_head)
+
+
+def _unsupported() -> str | None:
+    """Why this TRL's add_fused_lm_head is not the one hf_rtp stands in for; None when it is."""
+    import trl
+    from trl.trainer import utils
+
+    if not TESTED[0] <= Version(trl.__version__).release[:2] < TESTED[1]:
+        return f"TRL {trl.__version__} is outside the versions it was checked against, >=1.16 and <1.17"
+    found = list(inspect.signature(utils.add_fused_lm_head).parameters)
+    if found != _PARAMETERS:
+        return f"trl.trainer.utils.add_fused_lm_head takes {found}, not {_PARAMETERS}"
+    return None
 
 
 def _why_not(model, temperature, cast_lm_head_to_fp32, outputs) -> str | None:
@@ -52,7 +103,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         return original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
     reason = _why_not(model, temperature, cast_lm_head_to_fp32, outputs)
     if reason is not None:
-        log.info(f"TRL's fused LM head gathers the whole head on every rank here, because {reason}")
+        log.warning(f"TRL's fused LM head gathers the whole head on every rank here, because {reason}")
         return original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
     install(model, outputs)
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..dist.rotated import RotatedTensor, local_chunk
+
 
 def local(param: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's chunk, still connected to autograd so its gradient lands on the DTensor."""
+    """This rank's chunk, still connected to autograd so its gradient lands on the DTensor (a rotated
+    parameter's as a RotatedTensor, see dist.rotated)."""
     if param is None:
         return None
+    if isinstance(param, RotatedTensor):
+        return local_chunk(param)
     return param.to_local() if isinstance(param, DTensor) else param
 
 

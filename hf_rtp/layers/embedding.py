@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ring import Ring
-from ..sharding import ChunkLayout
+from ..dist.ring import Ring
+from ..dist.sharding import ChunkLayout
 from .common import finish_weight_grads, local
 
 

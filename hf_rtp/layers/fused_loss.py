@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ring import Ring
-from ..sharding import ChunkLayout
+from ..dist.ring import Ring
+from ..dist.sharding import ChunkLayout
 from .common import add_matmul, finish_weight_grads
 
 BLOCK_BYTES = 16 * 2**20
 """float32 logits one tile may hold on a CPU: a few cache-sized tiles"""
 ACCELERATOR_BLOCK_BYTES = 256 * 2**20
 """... and on an accelerator, where a tile must be large enough that its matmul, not the launches of its
-dozen elementwise kernels, sets the time (measured on an H200: hf_rtp/bench/cuda_loss.py)"""
+dozen elementwise kernels, sets the time (measured on an H200: hf_rtp/tools/bench/cuda_loss.py)"""
 
 
 ROW_ALIGN = 64

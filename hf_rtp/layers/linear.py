@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ring import Ring
-from ..sharding import ChunkLayout
+from ..dist.ring import Ring
+from ..dist.sharding import ChunkLayout
 from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle
 
 

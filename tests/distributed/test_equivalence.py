@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 from support.compare import (
-    ADAM_EPS, ATOL, DTYPE, LR, RTOL, STEP_ATOL, assert_matches, assert_same_model, float64_loss, forward_both,
+    ADAM_EPS, ATOL, DTYPE, LR, RTOL, STEP_ATOL, assert_matches, assert_same_model, backward_both,
 )
 from support.models import global_batch, make_fused_mixtral, make_tiny, rewrite_names, stored_names
 from support.spawn import run_on_ranks
@@ -69,12 +69,7 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save,
     model.train(), ref.train()
 
     batches = global_batch(world)
-    out, ref_outs = forward_both(model, ref, batches, rank)
-    # Backward through a float64 loss: vanilla's downcasts logits to float32, whose rounding would
-    # then differ between one rank's mean and the reference's mean over ranks.
-    float64_loss(out, batches[rank], ref.config).backward()
-    hf_rtp.sync_grads(model)
-    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()
+    out, _ = backward_both(model, ref, batches, rank)
     assert_matches(model, ref, world, rank, "grad")
 
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)

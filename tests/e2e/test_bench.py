@@ -53,7 +53,7 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
 
 def test_bench_refuses_bad_arguments(tmp_path):
     # in process, through the `hf-rtp` entry point: the refusals come before anything is spawned
-    from hf_rtp.cli import main
+    from hf_rtp.tools.cli import main
 
     bad = [
         ["--strategies", "ddp,zero3"],

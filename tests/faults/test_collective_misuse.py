@@ -130,14 +130,14 @@ def test_a_timeout_argument_out_of_range_is_a_clear_error(tmp_path, value):
 
 @pytest.mark.parametrize("value, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2M ", 120), ("1", 1), ("7d", 604800)])
 def test_timeouts_take_seconds_or_a_unit(monkeypatch, value, seconds):
-    from hf_rtp.mesh import DEFAULT_TIMEOUT, as_timedelta
+    from hf_rtp.settings import DEFAULT_TIMEOUT, as_timedelta
 
     monkeypatch.setenv("HF_RTP_TIMEOUT", value)
     assert as_timedelta(None, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT).total_seconds() == seconds
 
 
 def test_the_entry_timeout_defaults_to_a_minute(monkeypatch):
-    from hf_rtp.mesh import DEFAULT_ENTRY_TIMEOUT, as_timedelta
+    from hf_rtp.settings import DEFAULT_ENTRY_TIMEOUT, as_timedelta
 
     monkeypatch.delenv("HF_RTP_ENTRY_TIMEOUT", raising=False)
     assert as_timedelta(None, "HF_RTP_ENTRY_TIMEOUT", DEFAULT_ENTRY_TIMEOUT).total_seconds() == 60

@@ -24,7 +24,7 @@ DTYPE = torch.float64
 
 
 def rows(param, world, rank):
-    from hf_rtp.sharding import chunk_rows
+    from hf_rtp.dist.sharding import chunk_rows
 
     return slice(*chunk_rows(param.shape[0], world, rank))
 
@@ -82,7 +82,7 @@ def step_both(model, ref, optimizers, batches, rank):
     """One optimizer step of this rank's batch, and of vanilla's on all of them; gradients compared
     before it and parameters after it, this rank's rows of rotated ones (on its ring)."""
     import hf_rtp
-    from hf_rtp.state import state_of
+    from hf_rtp.model.state import state_of
 
     topology = state_of(model).topology
     out, ref_outs = forward_both(model, ref, batches, rank)
@@ -109,3 +109,18 @@ def save_and_check_reload(model, out_dir, rank):
         reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=next(model.parameters()).dtype)
         for name, tensor in reloaded.state_dict().items():
             assert torch.equal(tensor, full[name]), name
+
+
+def backward_both(model, ref, batches, rank):
+    """This rank's forward and backward, beside vanilla's over every rank's batch (the mean of the per-rank
+    losses is DDP's objective), replicated gradients averaged: each model's gradients before an optimizer step.
+
+    Backward runs through a float64 loss: vanilla's downcasts logits to float32, whose rounding would then
+    differ between one rank's mean and the reference's mean over ranks."""
+    import hf_rtp
+
+    out, ref_outs = forward_both(model, ref, batches, rank)
+    float64_loss(out, batches[rank], ref.config).backward()
+    hf_rtp.sync_grads(model)
+    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()
+    return out, ref_outs

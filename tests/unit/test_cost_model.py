@@ -1,8 +1,8 @@
-"""hf_rtp/cost.py, the README's multi-node table: the formulas say what its docstring says.
+"""hf_rtp/tools/cost.py, the README's multi-node table: the formulas say what its docstring says.
 (test_two_dimensional.py checks the ring's real bytes against the same counting.)"""
 
 import pytest
-from hf_rtp import cost
+from hf_rtp.tools import cost
 
 P = 10**9  # parameters
 

@@ -19,10 +19,10 @@ from support.models import VOCAB
 from support.zoo import zoo_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from hf_rtp.fused_head import install_forward, read_head
+from hf_rtp.model.fused_head import install_forward, read_head
 from hf_rtp.layers import RotatedLinear
 from hf_rtp.layers import fused_loss
-from hf_rtp.ring import Ring
+from hf_rtp.dist.ring import Ring
 
 
 FLOAT32_NOISE = 2e-6

@@ -5,8 +5,8 @@ import json
 import os
 
 import pytest
-from hf_rtp import memory
-from hf_rtp.bench.presets import PRESETS
+from hf_rtp.tools import memory
+from hf_rtp.tools.bench.presets import PRESETS
 from transformers import LlamaConfig
 
 

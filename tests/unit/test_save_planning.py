@@ -2,7 +2,8 @@ import pytest
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
-from hf_rtp.checkpoint.save import parse_size, plan_shards
+from hf_rtp.checkpoint.save import plan_shards
+from hf_rtp.settings import parse_size
 
 
 def test_parse_size_follows_transformers_units():

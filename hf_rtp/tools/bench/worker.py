@@ -1,8 +1,8 @@
 """One rank of one strategy in the benchmark: load the checkpoint, train a few steps, report.
 
-    python -m hf_rtp.bench.worker STRATEGY CHECKPOINT --batch 2 --seq 128 --warmup 2 --steps 5
+    python -m hf_rtp.tools.bench.worker STRATEGY CHECKPOINT --batch 2 --seq 128 --warmup 2 --steps 5
 
-Run by `hf_rtp.bench.run` with RANK/WORLD_SIZE set; prints one JSON line. Marks are wall-clock
+Run by `hf_rtp.tools.bench.run` with RANK/WORLD_SIZE set; prints one JSON line. Marks are wall-clock
 times, so the parent can cut its VmRSS samples into the load and training phases.
 """
 

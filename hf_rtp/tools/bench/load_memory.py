@@ -1,6 +1,6 @@
 """Peak resident memory per rank while loading a checkpoint: hf_rtp against transformers, side by side.
 
-    python -m hf_rtp.bench.load_memory --checkpoint /tmp/llama-2gb --world-size 2
+    python -m hf_rtp.tools.bench.load_memory --checkpoint /tmp/llama-2gb --world-size 2
 
 Makes a ~2 GB fp32 Llama checkpoint locally if the folder is empty (random weights, written tensor
 by tensor), then for each strategy starts fresh processes with MALLOC_MMAP_THRESHOLD_=65536 (so
@@ -58,7 +58,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, save_to: str | None
     """Start the strategy's processes and return, per rank, its peak VmRSS and what it reported."""
     world = 1 if strategy == "plain" else world_size
     extra = {"HF_RTP_BENCH_SAVE_DIR": save_to} if save_to else None
-    reports = run_ranks("hf_rtp.bench.load_memory", ["--child", strategy, "--checkpoint", checkpoint], world, extra_env=extra)
+    reports = run_ranks("hf_rtp.tools.bench.load_memory", ["--child", strategy, "--checkpoint", checkpoint], world, extra_env=extra)
     for rank, report in enumerate(reports):
         report.update(rank=rank, peak_rss=max(rss for _, rss in report.pop("rss_samples")))
     return reports

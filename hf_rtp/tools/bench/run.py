@@ -31,7 +31,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
         worker_args.append("--gradient-checkpointing")
     if strategy == "rtp-2d":
         worker_args += ["--rtp-size", str(args.rtp_size)]
-    reports = run_ranks("hf_rtp.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
+    reports = run_ranks("hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
     for r in reports:
         samples = r.pop("rss_samples")
         if args.device == "cuda":

@@ -1,4 +1,4 @@
-"""Data-parallel glue: averaging the gradients of replicated parameters, and DTensor/Tensor mixing."""
+"""Data-parallel glue: averaging the gradients of replicated parameters, and keeping DDP off rotated ones."""
 
 from __future__ import annotations
 
@@ -9,16 +9,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from .state import state_of
-
-
-def allow_mixed_parameters() -> None:
-    """Let torch ops mix Shard(0) DTensors with plain tensors, treating the plain ones as replicated.
-
-    A rotated model holds both kinds. Without this, `clip_grad_norm_` over all parameters fails
-    ("got mixed torch.Tensor and DTensor"); with it, it returns the global norm, because replicated
-    parameters are exactly that: replicated.
-    """
-    DTensor._op_dispatcher._allow_implicit_replication = True
 
 
 class _RotatedNames:

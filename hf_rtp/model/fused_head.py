@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from . import log
-from .layers import RotatedLinear
-from .layers.common import cast_for_matmul, local
-from .layers.fused_loss import HeadTransform, fused_cross_entropy, fused_token_stats
+from .. import log
+from ..layers import RotatedLinear
+from ..layers.common import cast_for_matmul, local
+from ..layers.fused_loss import HeadTransform, fused_cross_entropy, fused_token_stats
 
 # The transforms vanilla applies between the head and the loss, by their exact code (`logits` stands
 # for whatever the forward calls its logits): field of HeadTransform -> attribute read on the model.
@@ -132,7 +132,7 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
     docstring). Returns whether the fused loss is on."""
     transforms, reason = read_head(model) if fused else ([], None)
     if fused and reason is not None:
-        log.info(f"{type(model).__name__}: the fused LM-head loss is off, because {reason}; "
+        log.warning(f"{type(model).__name__}: the fused LM-head loss is off, because {reason}; "
                  "the loss is computed from full logits")
     fused = fused and reason is None
     capture = _Capture()

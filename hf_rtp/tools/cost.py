@@ -1,6 +1,6 @@
 """What each strategy sends per training step and holds per GPU across nodes: the README's cost model.
 
-    python -m hf_rtp.cost      # the README's table: Llama-3-8B and 70B on nodes of 8 GPUs
+    python -m hf_rtp.tools.cost      # the README's table: Llama-3-8B and 70B on nodes of 8 GPUs
 
 Per rank and optimizer step, for S bytes of parameters (gradients travel in the same dtype):
   RTP, rings of K: every chunk walks its ring in forward and again in backward (K-1 hops of S/K),

@@ -15,7 +15,7 @@ plus `RUNTIME_BYTES` for what a step holds beyond tensors. RTP's estimate is for
 loss (its default, no logits kept); `rtp-unfused` is for fused_loss=False. The terms and constants
 were set against `hf-rtp bench` on the 90M Llama preset (batch 2x128) and the 128k-vocabulary one
 (1x1024), and checked at shapes not used to set them (tests/unit/test_memory_estimate.py, against
-hf_rtp/bench/results); they are an estimate, not a bound.
+benchmarks/results); they are an estimate, not a bound.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .layers.fused_loss import BLOCK_BYTES  # the CPU tile: the estimate is set against the CPU bench
+from ..layers.fused_loss import BLOCK_BYTES  # the CPU tile: the estimate is set against the CPU bench
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 RUNTIME_BYTES = 35e6  # allocator slack, autograd graph, index tensors: measured beside the tensors on CPU
@@ -141,9 +141,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int]:
     """(elements this rank holds, its largest local tensor, pool slot elements) under hf_rtp's plan."""
-    from . import plans
-    from .plans.auto import auto_plan
-    from .sharding import ChunkLayout, chunk_rows
+    from .. import plans
+    from ..plans.auto import auto_plan
+    from ..dist.sharding import ChunkLayout, chunk_rows
 
     model_type = model.config.model_type
     plan = plans.get(model_type) if model_type in plans.supported() else auto_plan(model)

@@ -1,12 +1,12 @@
 """The ring: the only place in hf_rtp that does point-to-point communication.
 
-Rank r sends to r+1 and receives from r-1 on a process group of its own (design I5). A rotated op
+Rank r sends to r+1 and receives from r-1 on a process group of its own (DESIGN.md I5). A rotated op
 walks the ring through `forward_walk` / `backward_walk` and supplies the math as callbacks, so the
 overlap (transfer of the next chunk while computing on the held one), the double buffering and the
 travelling gradient accumulator live here once, not in every layer.
 
 Foreign chunks land in a `BufferPool` that all layers share: two weight slots and two gradient
-slots, so a rotated op never holds more than its own chunk plus two foreign ones (design I3) and
+slots, so a rotated op never holds more than its own chunk plus two foreign ones (DESIGN.md I3) and
 nothing is allocated per step.
 
 A chunk larger than `piece_bytes` (16 MB by default) walks the ring as several pieces, one full
@@ -24,8 +24,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from . import faults
-from .errors import CollectiveMisuseError
+from .. import faults
+from ..errors import CollectiveMisuseError
 from .sharding import ChunkLayout
 
 Bundle = Sequence[torch.Tensor]
@@ -92,9 +92,19 @@ class _Pending:
 class Ring:
     """Neighbour exchange on `group` (None: a ring of one, which never communicates)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, piece_bytes: int = DEFAULT_PIECE_BYTES):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
+        replicas: dist.ProcessGroup | None = None,
+        replica_count: int = 1,
+    ):
         self.group = group
         self.piece_bytes = piece_bytes
+        """chunks larger than this walk the ring in pieces (from_pretrained's rotation_piece_size)"""
+        self.replicas = replicas
+        """on a 2-D grid, this ring's rank in every other replica: the same chunk, other data"""
+        self.replica_count = replica_count
         if group is None:
             self.rank, self.size = 0, 1
             self._next = self._prev = 0
@@ -107,10 +117,7 @@ class Ring:
             # gloo's batched path has been seen to hang, so it uses plain isend/irecv.
             self._batched = dist.get_backend(group) == "nccl"
         self.pool = BufferPool()
-        # On a 2-D grid, this ring's rank in every other replica: the same chunk, other data
-        self.replicas: dist.ProcessGroup | None = None
-        self.replica_count = 1
-        # Bytes this rank sent to its neighbour and all-reduced over its replicas: what hf_rtp/cost.py models
+        # Bytes this rank sent to its neighbour and all-reduced over its replicas: what hf_rtp/tools/cost.py models
         self.sent_bytes = self.reduced_bytes = 0
 
     def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> _Pending:

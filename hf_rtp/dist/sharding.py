@@ -2,7 +2,7 @@
 
 `torch.chunk` gives every chunk ceil(n / N) rows except the tail, which may be short or empty
 (n=10, N=4 -> 3, 3, 3, 1; n=2, N=3 -> 1, 1, 0). Loader, layers and saver all use this one rule
-(design invariant I2), so rank r's rows on disk, in memory and in the ring always agree.
+(DESIGN.md I2), so rank r's rows on disk, in memory and in the ring always agree.
 """
 
 from __future__ import annotations

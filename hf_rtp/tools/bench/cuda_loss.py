@@ -3,7 +3,7 @@ memory (`torch.cuda.max_memory_allocated`) and step time at real vocabularies an
 
 One GPU holds a ring of one, so the fused math runs exactly as on N ranks minus the transfers (the
 head still walks in 16 MB pieces). Multi-rank runs need one GPU per rank (NCCL); this is the check
-a single lent GPU allows. Run: `python -m hf_rtp.bench.cuda_loss --out result.json`.
+a single lent GPU allows. Run: `python -m hf_rtp.tools.bench.cuda_loss --out result.json`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from ..fused_head import install_forward
-from ..layers import RotatedLinear
-from ..ring import Ring
+from ...model.fused_head import install_forward
+from ...layers import RotatedLinear
+from ...dist.ring import Ring
 
 # Llama-3.2-1B's head and width (vocabulary 128256, hidden 2048, tied) on two layers: the head and
 # its loss are what this measures; more layers only add the same backbone to both sides.

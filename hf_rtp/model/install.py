@@ -6,11 +6,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .layers import LAYERS
-from .checkpoint.keys import tie_targets
-from .mesh import Topology
-from .parameters import make_rotated
-from .plans import Resolution
+from ..layers import LAYERS
+from .ties import tie_targets
+from ..dist.topology import Topology
+from ..dist.rotated import make_rotated
+from ..plans import Resolution
 
 
 def _rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:

@@ -1,0 +1,43 @@
+"""Where calls every rank must make (forward, generate, save) meet before they communicate.
+
+They meet on a small gloo group with a short timeout (HF_RTP_ENTRY_TIMEOUT, default 60 s), so a rank
+that skips one is an error within a minute on every rank that entered, never a silent wait; and ranks
+that arrive in different calls (one saving while another runs a forward) fail at once, each call named.
+"""
+
+from __future__ import annotations
+
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveMisuseError
+
+_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub")}
+
+
+def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Meet every other rank at the start of `call` on the `entry` group, or fail on every rank that came."""
+    if world_size == 1:
+        return
+    mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world_size)]
+    try:
+        dist.all_gather(everyone, mine, group=entry)
+    except RuntimeError as err:
+        raise CollectiveMisuseError(
+            f"{call} is collective: every rank must call it, but rank {rank} waited "
+            f"{timeout.total_seconds():g} s (HF_RTP_ENTRY_TIMEOUT) and not every rank came. "
+            f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
+            "the same number of batches."
+        ) from err
+    if len({int(t) for t in everyone}) > 1:
+        _CALLS.setdefault(int(mine), call)
+        names = [_CALLS.get(int(t), "another hf_rtp call") for t in everyone]
+        raise CollectiveMisuseError(
+            "ranks entered different collective calls at once: "
+            + ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            + ". Every rank must make the same calls in the same order."
+        )

@@ -1,0 +1,198 @@
+"""Rotated parameters: Shard(0) DTensors with data-parallel semantics.
+
+DTensor's autograd assumes SPMD, every rank computing on the same data: the backward of
+`full_tensor()` (a redistribute to Replicate) merely slices the incoming gradient, so a rank's
+chunk would receive only its own batch's gradient. Under RTP each rank has its own batch, so the
+gradient of a gathered rotated weight must be the mean over ranks, as DDP's is. This class gives
+`full_tensor()` exactly that backward (sum over all ranks, then this rank's rows, divided by their
+number; on a 2-D grid the sum runs over the ring, then over the replicas of this rank's rows) and
+refuses the other redistributions under autograd, where there is no data-parallel answer.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
+from torch.utils._pytree import tree_map_only
+
+from ..errors import RotatedStateError
+from .sharding import chunk_rows
+
+_PICKLE_REFUSED = (
+    "refusing to pickle a rotated tensor: each rank holds other rows (and other data), so a pickled state "
+    "dict written by one rank would silently hold that rank's slice. Save weights with "
+    "model.save_pretrained(dir) on every rank, training state with hf_rtp.save_training_state(dir, model, "
+    "optimizer, ...), or train through accelerator.save_state / hf_rtp.Trainer, which hf_rtp makes collective."
+)
+
+
+class RotationMesh(DeviceMesh):
+    """The mesh of rotated parameters. Every DTensor derived from one (detached copies, gradients,
+    optimizer moments) keeps this mesh, so this is where pickling them is refused: torch.save of a
+    state dict, accelerate's and Trainer's pickle-based saves. Made only by `of`."""
+
+    replicas: dist.ProcessGroup | None
+    """on a 2-D grid, the group of this ring rank's replicas (the same rows, other data); else None"""
+    replica_count: int
+    """how many replicas hold these rows (1 on a flat ring)"""
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, device_type: str, replicas: dist.ProcessGroup | None,
+           replica_count: int) -> "RotationMesh":
+        """The 1-D `rtp` mesh over a ring's `group`. DeviceMesh offers no constructor from a group that a
+        subclass can extend, so torch's `from_group` builds it and this class is set on the result."""
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("rtp",))
+        mesh.__class__ = cls
+        mesh.replicas, mesh.replica_count = replicas, replica_count
+        return mesh
+
+    def __reduce_ex__(self, protocol):
+        raise RotatedStateError(_PICKLE_REFUSED)
+
+    def __deepcopy__(self, memo):
+        return self  # a handle on process groups, not data: copies of rotated tensors share it
+
+
+_WRITE_REFUSED = (
+    "refusing to write a rotated tensor as a whole tensor: this rank holds only its own rows. Save weights with "
+    "model.save_pretrained(dir) on every rank (or hf_rtp.Accelerator().save_model), training state with "
+    "hf_rtp.Accelerator().save_state or hf_rtp.save_training_state(dir, model, optimizer, ...)."
+)
+
+
+class _DataParallelGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param: DTensor) -> torch.Tensor:
+        ctx.mesh, ctx.shape, ctx.stride = param.device_mesh, param.shape, param.stride()
+        return DTensor.full_tensor(DTensor.detach(param))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mesh = ctx.mesh
+        group = mesh.get_group()
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)  # the sum over the ring's batches
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        start, end = chunk_rows(ctx.shape[0], world, rank)
+        local = grad[start:end].contiguous()
+        if mesh.replicas is not None:  # on a 2-D grid: and over the other replicas' batches
+            dist.all_reduce(local, group=mesh.replicas)
+        local.div_(world * mesh.replica_count)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=ctx.shape, stride=ctx.stride)
+
+
+class RotatedTensor(DTensor):
+    """The class of a rotated model's rotated parameters (nn.Parameters like any other), of their
+    gradients and detached aliases (state dicts), and of every DTensor an op on them makes on the
+    rotation mesh (optimizer moments, norms): all of them data-parallel values, each rank's own.
+
+    An op with a rotated tensor among its arguments may mix in plain tensors, which DTensor then treats
+    as replicated: a rotated model holds both kinds, and `clip_grad_norm_` or a foreach optimizer over
+    all its parameters mixes them. This is DTensor's implicit replication, switched on for the duration
+    of such an op only, so any other DTensor in the process (a TP or FSDP reference model) keeps
+    torch's error for mixing."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with _mixing_as_replicated():
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        return tree_map_only(DTensor, _marked_if_rotation, out)
+
+    # nn.Parameter(t) and Module._apply need detach(), copy.deepcopy needs clone(), to keep the class
+    def detach(self) -> "RotatedTensor":
+        return _marked(DTensor.detach(self))
+
+    def clone(self, *args, **kwargs) -> "RotatedTensor":
+        return _marked(DTensor.clone(self, *args, **kwargs))
+
+    def untyped_storage(self):
+        # what safetensors (accelerate's default save_state, save_model, save_file) reads first
+        raise RotatedStateError(_WRITE_REFUSED)
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The whole tensor on every rank (collective). Under autograd its gradient reaches each
+        rank's chunk as the mean over all ranks' batches, as DDP's would."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            if grad_placements is not None:
+                raise RotatedStateError("full_tensor(grad_placements=...) is not supported on a rotated parameter")
+            return _DataParallelGather.apply(self)
+        return DTensor.full_tensor(DTensor.detach(self))
+
+    def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
+        if torch.is_grad_enabled() and self.requires_grad:
+            raise RotatedStateError(
+                "redistribute() on a rotated parameter under autograd would give each rank the gradient of its own "
+                "batch only (DTensor assumes every rank has the same data). Use param.full_tensor(), whose gradient "
+                "hf_rtp averages over ranks like DDP, or call it under torch.no_grad()."
+            )
+        return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
+
+
+@contextmanager
+def _mixing_as_replicated():
+    """torch's own `implicit_replication()`, entered only when not already on (it resets to off on exit)."""
+    if DTensor._op_dispatcher._allow_implicit_replication:
+        yield
+    else:
+        with implicit_replication():
+            yield
+
+
+def _marked_if_rotation(tensor: DTensor) -> DTensor:
+    return _marked(tensor) if type(tensor) is DTensor and isinstance(tensor.device_mesh, RotationMesh) else tensor
+
+
+class _LocalChunk(torch.autograd.Function):
+    """`to_local()` of a rotated parameter, whose gradient comes back as a RotatedTensor (DTensor's own
+    to_local makes it a plain DTensor, outside any dispatch that could mark it)."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor) -> torch.Tensor:
+        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = param.device_mesh, param.placements, param.shape, param.stride()
+        chunk = param._local_tensor
+        return chunk.view_as(chunk)  # a fresh tensor object: autograd writes its metadata into it
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = DTensor.from_local(grad.contiguous(), ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,
+                                  stride=ctx.stride)
+        return _marked(grad)
+
+
+def local_chunk(param: "RotatedTensor") -> torch.Tensor:
+    """This rank's chunk of a rotated parameter, connected to autograd (see _LocalChunk)."""
+    return _LocalChunk.apply(param)
+
+
+# Foreach kernels (clip_grad_norm_, optimizers) take a tensor class only if it is listed, as torch lists
+# DTensor itself (torch/distributed/tensor/__init__.py). Listing this subclass changes nothing for any other.
+for _supported in (_optim_foreach_types, _util_foreach_types):
+    if RotatedTensor not in _supported:
+        _supported.append(RotatedTensor)
+
+
+def _marked(tensor: DTensor) -> RotatedTensor:
+    tensor.__class__ = RotatedTensor  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
+    return tensor
+
+
+def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    return _marked(param)
+
+
+def keep_rotated(module: torch.nn.Module) -> None:
+    """Mark again what `module.to()` / `.float()` unmarked: nn.Module._apply swaps a DTensor parameter
+    with a plain DTensor copy (torch.utils.swap_tensors swaps the class too). Without this a Trainer's
+    `model.to(device)` would silently restore DTensor's SPMD gradient for full_tensor()."""
+    for param in module.parameters():
+        if type(param) is DTensor and isinstance(param.device_mesh, RotationMesh):
+            make_rotated(param)

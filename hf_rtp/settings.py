@@ -1,0 +1,114 @@
+"""Everything from_pretrained's keywords and the HF_RTP_* variables configure, parsed and validated here.
+
+    HF_RTP_TIMEOUT        timeout=: how long any collective hf_rtp issues may wait (default 10 minutes)
+    HF_RTP_ENTRY_TIMEOUT  how long a call every rank must make waits for the ranks that skip it (60 s)
+    HF_RTP_FAULT          a fault to inject at a named point (tests): parsed and validated in faults.py
+    HF_RTP_NO_RENAME_EXCHANGE  tests only: the folder swap takes its fallback path (checkpoint/atomic.py)
+
+A bad value is an error that names the keyword or variable, raised before any process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from .errors import TopologyError
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+DEFAULT_ENTRY_TIMEOUT = timedelta(seconds=60)
+DEFAULT_PIECE_SIZE = "16MB"
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400.0
+VERIFY_MODES = ("auto", "full")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    """where parameters live: this rank's GPU (LOCAL_RANK) when CUDA is present, else the CPU"""
+    timeout: timedelta
+    """timeout= or HF_RTP_TIMEOUT: every group hf_rtp makes carries it"""
+    entry_timeout: timedelta
+    """HF_RTP_ENTRY_TIMEOUT: where calls every rank must make meet"""
+    piece_bytes: int
+    """rotation_piece_size: chunks larger than this walk the ring in pieces"""
+    verify_weights: str
+    """how ranks prove they read one checkpoint's bytes ("auto" or "full")"""
+    fused_loss: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        device: str | torch.device | None = None,
+        timeout: float | timedelta | None = None,
+        rotation_piece_size: int | str = DEFAULT_PIECE_SIZE,
+        verify_weights: str = "auto",
+        fused_loss: bool = True,
+    ) -> "Settings":
+        if verify_weights not in VERIFY_MODES:
+            raise ValueError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
+        return cls(
+            device=resolve_device(device),
+            timeout=collective_timeout(timeout),
+            entry_timeout=as_timedelta(None, "HF_RTP_ENTRY_TIMEOUT", DEFAULT_ENTRY_TIMEOUT),
+            piece_bytes=parse_size(rotation_piece_size, "rotation_piece_size"),
+            verify_weights=verify_weights,
+            fused_loss=bool(fused_loss),
+        )
+
+
+def collective_timeout(value: float | timedelta | None = None) -> timedelta:
+    """timeout=, else HF_RTP_TIMEOUT, else 10 minutes: also what hf_rtp.Accelerator and the recipes give
+    the process group they create."""
+    return as_timedelta(value, "HF_RTP_TIMEOUT", DEFAULT_TIMEOUT)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Default: this process's GPU (LOCAL_RANK) when CUDA is present, else the CPU."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return device
+
+
+def as_timedelta(value: float | timedelta | None, variable: str, default: timedelta) -> timedelta:
+    """`value`, else the environment variable, else `default`. Seconds, or with a unit: "90s", "10m", "1h", "2d".
+
+    Between 1 second (less cannot even open a connection between ranks) and 7 days (more overflows
+    the process group's clock, and is a hang in all but name); anything else names the setting."""
+    if value is None:
+        value = os.environ.get(variable) or None
+        if value is None:
+            return default
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", str(value).lower())
+        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)] if match else float("nan")
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
+        raise TopologyError(
+            f"{variable}{' (or timeout=)' if variable == 'HF_RTP_TIMEOUT' else ''} must be a duration from 1 second to 7 days: seconds like 600, or 90s, 10m, 1h, "
+            f"2d; got {value!r}"
+        )
+    return timedelta(seconds=seconds)
+
+
+def parse_size(size: int | str, what: str = "max_shard_size") -> int:
+    """'5GB' -> 5 * 10**9 and '5GiB' -> 5 * 2**30, as transformers reads max_shard_size."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", size.upper()) if isinstance(size, str) else None
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes or a size like '5GB', got {size!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])

@@ -1,0 +1,164 @@
+"""hf_rtp's layers import only downward (DESIGN.md), and no module imports itself back through others.
+
+Every import statement counts, function-local ones included: an import hidden in a function is a cycle
+all the same, it only fails later. The checker is tried on a small package built here, so that a
+checker that finds nothing cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hf_rtp
+
+# Lowest first: a module may import its own layer and the ones before it.
+LAYERS = [
+    ("base", ("errors", "log", "faults", "version", "settings")),
+    ("dist", ("dist",)),
+    ("layers", ("layers",)),
+    ("plans", ("plans",)),
+    ("model", ("model",)),
+    ("checkpoint", ("checkpoint",)),
+    ("integrations", ("integrations",)),
+    ("api", ("api", "")),  # "" is the package's __init__: the public names
+    ("tools", ("tools", "__main__")),  # the CLI and benches: nothing in the package imports them
+]
+# dist/ is plain torch.distributed: it must run (and be read) without transformers or its ecosystem
+NOT_IN_DIST = ("transformers", "accelerate", "peft", "trl", "huggingface_hub", "safetensors")
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package at `root`."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """(modules of the package, top-level outside packages) that `name` imports anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    inside, outside = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}" if base else anchor
+            # `from . import faults` imports the module faults; `from .x import y` imports x
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            while target and target not in known and "." in target:
+                target = target.rpartition(".")[0]
+            if target in known:
+                if target != name:
+                    inside.add(target)
+            else:
+                outside.add(target.split(".")[0])
+    return inside, outside
+
+
+def layer_of(name: str, top: str) -> int:
+    rest = name[len(top) + 1:] if name != top else ""
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if rest == prefix or (prefix and rest.startswith(prefix + ".")):
+                return rank
+    raise AssertionError(f"{name} belongs to no layer: add it to LAYERS and to DESIGN.md")
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each a cycle of imports."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def problems(root: Path) -> list[str]:
+    top = root.name
+    known = modules(root)
+    graph, outside = {}, {}
+    for name, path in known.items():
+        graph[name], outside[name] = imports(name, path, known)
+    found = [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    for name, targets in sorted(graph.items()):
+        mine = layer_of(name, top)
+        for target in sorted(targets):
+            theirs = layer_of(target, top)
+            if theirs > mine:
+                found.append(f"{name} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]}), a layer above it")
+    dist = [n for n in known if layer_of(n, top) == 1]
+    for name in dist:
+        reached, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current not in reached:
+                reached.add(current)
+                todo.extend(graph[current])
+        banned = sorted({m for r in reached for m in outside[r] if m in NOT_IN_DIST})
+        if banned:
+            found.append(f"{name} (dist) reaches {', '.join(banned)}")
+    return found
+
+
+def test_hf_rtp_imports_only_downward_and_has_no_cycle():
+    assert problems(Path(hf_rtp.__file__).parent) == []
+
+
+def test_the_checker_finds_a_hidden_cycle_an_upward_import_and_transformers_in_dist(tmp_path):
+    package = tmp_path / "pkg"
+    for folder in ("", "dist", "model", "tools"):
+        (package / folder).mkdir(parents=True, exist_ok=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "errors.py").write_text("")
+    (package / "dist" / "ring.py").write_text("from .. import errors\nfrom .groups import make\n")
+    (package / "dist" / "groups.py").write_text("from ..log import x\ndef make():\n    from .ring import Ring  # hidden\n")
+    (package / "log.py").write_text("import transformers.utils\n")
+    (package / "model" / "state.py").write_text("def f():\n    from ..tools import cli\n")
+    (package / "tools" / "cli.py").write_text("import os\n")
+    found = problems(package)
+    assert "import cycle: pkg.dist.groups -> pkg.dist.ring" in found
+    assert "pkg.model.state (model) imports pkg.tools.cli (tools), a layer above it" in found
+    assert "pkg.dist.groups (dist) reaches transformers" in found
+    assert "pkg.dist.ring (dist) reaches transformers" in found
+    assert len(found) == 4, found
+
+
+def test_every_folder_of_the_package_is_a_regular_package():
+    """setuptools' find_packages installs only folders with an __init__.py: a namespace folder imports from
+    a checkout and is missing from the wheel."""
+    root = Path(hf_rtp.__file__).parent
+    folders = {path.parent for path in root.rglob("*.py") if "__pycache__" not in path.parts}
+    assert sorted(str(f.relative_to(root)) for f in folders if not (f / "__init__.py").exists()) == []
