@@ -26,7 +26,7 @@ from .dist.topology import setup
 from .errors import CheckpointError, TopologyError
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import make_peft_use_global_features
-from .integrations.trainer import adopt_caller, check_attached
+from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
 from .model.data_parallel import ignore_rotated_in_ddp
 from .model.fused_head import install_forward
 from .model.generation import generate
@@ -143,7 +143,7 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     """Everything hf_rtp attaches to a loaded model: its state, the collective save/push/generate, the
     DDP ignore list, Trainer adoption on `.to()`, and the guard that makes ranks meet at each forward."""
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
-    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
     model.push_to_hub = types.MethodType(push, model)
     model.generate = types.MethodType(generate, model)
     ignore_rotated_in_ddp(model)
@@ -162,6 +162,12 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
         backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
         make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
     return model
+
+
+def _save_pretrained(model, *args, **kwargs):
+    """checkpoint.save.save_pretrained, refused when an unattached Trainer calls it from its main process only."""
+    refuse_unattached_save(model.__dict__[ATTRIBUTE].topology.world_size)
+    return save_pretrained(model, *args, **kwargs)
 
 
 def _before_forward(state: RTPState) -> None:

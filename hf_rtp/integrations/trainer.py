@@ -117,6 +117,17 @@ def check_attached() -> None:
         attach_trainer(trainer)
 
 
+def refuse_unattached_save(world_size: int) -> None:
+    """At a save_pretrained: a Trainer saving through its own main-process-only `_save` was never attached, so
+    the other ranks are not saving with it. Refused at once, rather than a wait for ranks that never come."""
+    trainer = _trainer_in_stack(("_save",), depth=8) if world_size > 1 else None
+    if trainer is not None and not trainer.__dict__.get(_ATTACHED):
+        raise IntegrationError(
+            f"{type(trainer).__name__} saves the rotated model from its main process only: it was never attached to "
+            "hf_rtp (it did not move the model to its device). Call hf_rtp.attach_trainer(trainer) after building it"
+        )
+
+
 def _trainer_in_stack(names: tuple[str, ...], depth: int):
     """The Trainer whose method named in `names` is on the stack within `depth` frames, if any."""
     transformers = sys.modules.get("transformers")

@@ -106,8 +106,13 @@ def _three_trainers(ckpt, out):
     evaluated = _trainer(os.path.join(out, "eval"), model=rotated(), placed=False)
     ref_eval = _trainer(os.path.join(out, "eval-vanilla"), model=vanilla(), placed=False)
     attached_before = _attached(evaluated)
+    try:  # saved before any forward: Trainer's main-process save would leave the other ranks out
+        evaluated.save_model(os.path.join(out, "too-early"))
+        refused = None
+    except hf_rtp.IntegrationError as err:
+        refused = str(err)
     loss, ref_loss = evaluated.evaluate()["eval_loss"], ref_eval.evaluate()["eval_loss"]
-    results["unplaced"] = (attached_before, _attached(evaluated), loss, ref_loss,
+    results["unplaced"] = (attached_before, refused, _attached(evaluated), loss, ref_loss,
                                  _saved_like(evaluated, os.path.join(out, "eval-saved")))
 
     # model_init: the model is built in __init__ and again inside train()
@@ -131,8 +136,12 @@ def test_trainers_that_do_not_place_the_model_are_attached_and_train_and_save_li
         assert (attached_before, attached) == (False, True)
         assert head.endswith(os.path.join("hf_rtp", "integrations", "trl.py"))  # TRL's gathered head taken over
         torch.testing.assert_close(losses, ref_losses, atol=1e-6, rtol=1e-6)
-        attached_before, attached, loss, ref_loss, eval_saved = result["unplaced"]
+        attached_before, refused, attached, loss, ref_loss, eval_saved = result["unplaced"]
         assert (attached_before, attached) == (False, True)
+        if rank == 0:  # the main process saves alone there: refused, naming the fix
+            assert "never attached" in refused and "hf_rtp.attach_trainer(trainer)" in refused
+        else:
+            assert refused is None
         torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
         attached_before, attached, losses, ref_losses, init_saved = result["model_init"]
         assert (attached_before, attached) == (True, True)
