@@ -7,6 +7,10 @@ gradient of a gathered rotated weight must be the mean over ranks, as DDP's is. 
 `full_tensor()` exactly that backward (sum over all ranks, then this rank's rows, divided by their
 number; on a 2-D grid the sum runs over the ring, then over the replicas of this rank's rows) and
 refuses the other redistributions under autograd, where there is no data-parallel answer.
+
+Gradients and everything an op on a rotated tensor makes on the rotation mesh are rotated too, and
+DTensor's implicit replication is on only while such an op runs (RotatedTensor.__torch_dispatch__),
+never for the process: other DTensor code keeps torch's check for mixing (DESIGN.md, "Patches").
 """
 
 from __future__ import annotations
