@@ -26,13 +26,14 @@ import torch.distributed as dist
 
 from .. import faults
 from ..errors import CollectiveMisuseError
+from ..settings import DEFAULT_PIECE_SIZE, parse_size
 from .sharding import ChunkLayout
 
 Bundle = Sequence[torch.Tensor]
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
-DEFAULT_PIECE_BYTES = 16 * 10**6  # from_pretrained's rotation_piece_size="16MB"
+DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
 Rows = tuple[int, int]
 
 
