@@ -1,6 +1,11 @@
 """hf_rtp: Rotated Tensor Parallelism for Hugging Face Transformers."""
 
-from .api import from_pretrained
+from .api import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    from_pretrained,
+)
 from .checkpoint.resume import load_training_state, save_training_state
 from .errors import (
     CheckpointError,
@@ -20,6 +25,9 @@ from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
 __all__ = [
     "Accelerator",
+    "AutoModelForCausalLM",
+    "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
     "CheckpointError",
     "CollectiveMisuseError",
     "HfRtpError",

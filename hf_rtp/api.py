@@ -9,10 +9,11 @@ import types
 from datetime import timedelta
 
 import torch
+import transformers
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from . import faults, log, plans
 from .checkpoint.files import find_weights, resolve_directory
@@ -30,6 +31,7 @@ from .integrations.trainer import adopt_caller, check_attached, refuse_unattache
 from .model.data_parallel import ignore_rotated_in_ddp
 from .model.fused_head import install_forward
 from .model.generation import generate
+from .model.heads import fresh_head, initialise_head, is_causal_lm, model_class
 from .model.install import install
 from .model.state import ATTRIBUTE, RTPState
 from .model.ties import tie_targets
@@ -53,9 +55,10 @@ def from_pretrained(
     rotation_piece_size: int | str = DEFAULT_PIECE_SIZE,
     fused_loss: bool = True,
     verify_weights: str = "auto",
+    auto_class=None,
     **config_kwargs,
 ) -> PreTrainedModel:
-    """Load a causal-LM checkpoint with its weights rotated across all ranks. Every rank calls it.
+    """Load a checkpoint with its weights rotated across all ranks. Every rank calls it.
 
     Returns the real transformers class (e.g. LlamaForCausalLM) with vanilla's parameter names and
     global shapes; rotated parameters are Shard(0) DTensors on the `rtp` mesh, of which this rank
@@ -89,6 +92,10 @@ def from_pretrained(
             proof that holds per file (one shared file, the Hub's recorded hash, hf_rtp's block digests,
             else one whole-file hash per copy); replicated tensors are always compared in full. "full":
             also hash every file whole (one rank per copy) against every recorded hash.
+        auto_class: the transformers auto class to build: AutoModelForCausalLM (default),
+            AutoModelForSequenceClassification (reward models, classifiers) or AutoModelForTokenClassification;
+            or call hf_rtp.AutoModelFor....from_pretrained. A head the checkpoint lacks (a reward model made
+            from a causal LM) is initialised as vanilla initialises it, on rank 0, and sent to every rank.
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
     settings = Settings.resolve(device, timeout, rotation_piece_size, verify_weights, fused_loss)
@@ -102,6 +109,7 @@ def from_pretrained(
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
     if unused:
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+    auto_class = model_class(auto_class, config)  # before any read: a wrong head fails naming the right one
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
     plan = _named_plan(plan)
     with agreed(topology.control, CheckpointError):  # one rank's bad file is everyone's error
@@ -113,13 +121,17 @@ def from_pretrained(
                       dtype=dtype, verify=settings.verify_weights), topology.control)
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_class.from_config(config, dtype=dtype)
     untie_stored_apart(model, entries, topology)
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
 
     with agreed(topology.control, CheckpointError):
         wants, sources = wants_for(model, resolution, topology, entries)
+    lacking = sorted(n for n, want in wants.items() if any(name not in entries for name in want.source.names))
+    fresh = fresh_head(model, lacking, resolution.rotated_params)
+    for name in fresh:
+        del wants[name], sources[name]
     tensors = read_proven(entries, wants, dtype, topology, settings.verify_weights)
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
@@ -127,9 +139,13 @@ def from_pretrained(
         log.warning(f"checkpoint tensors not used by {type(model).__name__}: {', '.join(unexpected[:8])}")
 
     install(model, resolution, tensors, topology)
-    model.generation_config = _generation_config(directory, model)
+    if fresh:
+        initialise_head(model, fresh, dtype, topology.device, topology.control)
+    if model.can_generate():
+        model.generation_config = _generation_config(directory, model)
     bind(model, RTPState(topology, plan, resolution, sources))
-    install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)
+    if is_causal_lm(model):
+        install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)
     log.info(
         f"Loaded {type(model).__name__} with plan '{plan.name}' on {topology.world_size} rank(s)"
         + (f" as {topology.dp_size} replicas of {topology.rtp_size}-rank rings" if topology.dp_size > 1 else "")
@@ -139,13 +155,39 @@ def from_pretrained(
     return model.eval()  # as transformers' from_pretrained does
 
 
+class _Auto:
+    """`hf_rtp.AutoModelFor....from_pretrained(path, ...)`: hf_rtp.from_pretrained with that auto class."""
+
+    auto_class = None
+
+    def __init__(self):
+        raise TypeError(f"{type(self).__name__} is built with {type(self).__name__}.from_pretrained(...)")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> PreTrainedModel:
+        return from_pretrained(pretrained_model_name_or_path, auto_class=cls.auto_class, **kwargs)
+
+
+class AutoModelForCausalLM(_Auto):
+    auto_class = transformers.AutoModelForCausalLM
+
+
+class AutoModelForSequenceClassification(_Auto):
+    auto_class = transformers.AutoModelForSequenceClassification
+
+
+class AutoModelForTokenClassification(_Auto):
+    auto_class = transformers.AutoModelForTokenClassification
+
+
 def bind(model: nn.Module, state: RTPState) -> nn.Module:
     """Everything hf_rtp attaches to a loaded model: its state, the collective save/push/generate, the
     DDP ignore list, Trainer adoption on `.to()`, and the guard that makes ranks meet at each forward."""
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     model.push_to_hub = types.MethodType(push, model)
-    model.generate = types.MethodType(generate, model)
+    if is_causal_lm(model):
+        model.generate = types.MethodType(generate, model)
     ignore_rotated_in_ddp(model)
 
     def _apply(self, fn, recurse=True):  # every Trainer moves its model to a device in __init__

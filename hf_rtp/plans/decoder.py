@@ -26,6 +26,7 @@ _REPLICATE = (
     "model.layers.*.mlp.router.*",  # gpt-oss's router
     "model.layers.*.mlp.shared_expert_gate.weight",  # Qwen-MoE: one output, a gate on the shared expert
     "model.layers.*.self_attn.sinks",  # gpt-oss's attention sinks, one per head
+    "score.*",  # sequence/token classification heads: num_labels rows of hidden_size
 )
 
 FAMILIES = (

@@ -24,5 +24,7 @@ GPT2 = Plan(
         "transformer.h.*.ln_1.*",
         "transformer.h.*.ln_2.*",
         "transformer.ln_f.*",
+        "score.*",  # sequence classification's head, and token classification's below: num_labels rows
+        "classifier.*",
     ),
 )
