@@ -34,6 +34,7 @@ from .model.generation import generate
 from .model.heads import fresh_head, initialise_head, is_causal_lm, model_class
 from .model.install import install
 from .model.state import ATTRIBUTE, RTPState
+from .model.vocabulary import resize_token_embeddings
 from .model.ties import tie_targets
 from .plans.auto import auto_plan
 from .settings import DEFAULT_PIECE_SIZE, Settings
@@ -186,6 +187,7 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     model.push_to_hub = types.MethodType(push, model)
+    model.resize_token_embeddings = types.MethodType(resize_token_embeddings, model)
     if is_causal_lm(model):
         model.generate = types.MethodType(generate, model)
     ignore_rotated_in_ddp(model)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveMisuseError
 
-_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub")}
+_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub", "resize_token_embeddings")}
 
 
 def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta) -> None:

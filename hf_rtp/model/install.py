@@ -13,7 +13,7 @@ from ..dist.rotated import make_rotated
 from ..plans import Resolution
 
 
-def _rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
+def rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
     stride = torch.empty(shape, device="meta").stride()
     dtensor = DTensor.from_local(local, topology.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
     return make_rotated(nn.Parameter(dtensor))
@@ -26,7 +26,7 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
     params: dict[str, nn.Parameter] = {}
     for name, tensor in tensors.items():
         if rotate and name in resolution.rotated_params:
-            params[name] = _rotated_parameter(tensor, shapes[name], topology)
+            params[name] = rotated_parameter(tensor, shapes[name], topology)
         else:
             params[name] = nn.Parameter(tensor)
     for target, source in tie_targets(model).items():

@@ -1,0 +1,177 @@
+"""`model.resize_token_embeddings` on a rotated model: vanilla's values, re-cut over the ring.
+
+New rows are random (vanilla draws them from the old rows' mean and covariance, or from the init's
+normal), and vanilla draws them through modules of the new size, so only the same draws in the same
+order give the same values. hf_rtp makes them once, where they can be made exactly: the writer (ring
+rank 0 of the first replica, global rank 0 by default) collects the embedding and the untied head
+whole, runs transformers' own `_get_resized_embeddings` / `_get_resized_lm_head` on plain copies, and
+sends every rank its rows of the result, as DDP would send rank 0's values. The writer thus holds the
+old and new matrices whole for the length of the call, which the warning says with their size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .. import log
+from ..dist.sharding import ChunkLayout, chunk_rows
+from ..dist.rotated import RotatedTensor
+from ..layers import RotatedEmbedding, RotatedLinear
+from ..layers.common import local
+from .install import rotated_parameter
+from .state import ATTRIBUTE
+
+
+def resize_token_embeddings(model, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                            mean_resizing: bool = True) -> nn.Embedding:
+    """Collective: every rank calls it with the same arguments. Vanilla's signature and result."""
+    state = model.__dict__[ATTRIBUTE]
+    topology = state.topology
+    if topology.world_size == 1:  # one process: nothing rotated, nothing to send
+        return type(model).resize_token_embeddings(model, new_num_tokens, pad_to_multiple_of, mean_resizing)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    old = embedding.weight.shape[0]
+    size = _new_size(old, new_num_tokens, pad_to_multiple_of)
+    if size is None:
+        return embedding
+    topology.enter("resize_token_embeddings")
+    if size != old:
+        tied = head is not None and head.weight is embedding.weight
+        places = _places(topology)
+        writer = places.index((0, 0))
+        whole = {"embedding": _collect(embedding.weight, topology)}
+        if head is not None and not tied:
+            whole["head"] = _collect(head.weight, topology)
+            if head.bias is not None:
+                whole["head_bias"] = _collect(head.bias, topology)
+        if topology.rank == writer:
+            log.warning(
+                f"resize_token_embeddings: rank {writer} holds the embedding"
+                + (" and the LM head" if len(whole) > 1 else "")
+                + f" whole while it draws vanilla's new rows (about {_megabytes(whole, size):.0f} MB), then every rank "
+                "keeps its rows"
+            )
+            whole = _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multiple_of, mean_resizing)
+        requires_grad = embedding.weight.requires_grad
+        embedding.weight = _sent(whole.get("embedding"), embedding.weight, size, places, writer, topology)
+        embedding.weight.requires_grad_(requires_grad)
+        embedding.num_embeddings = size
+        if embedding.padding_idx is not None and size - 1 < embedding.padding_idx:
+            embedding.padding_idx = None
+        if head is not None:
+            requires_grad = head.weight.requires_grad
+            if tied:
+                head.weight = embedding.weight
+            else:
+                head.weight = _sent(whole.get("head"), head.weight, size, places, writer, topology)
+                if head.bias is not None:
+                    head.bias = _sent(whole.get("head_bias"), head.bias, size, places, writer, topology)
+                head.weight.requires_grad_(requires_grad)
+            head.out_features = size
+        for module in (embedding, head):
+            if isinstance(module, (RotatedEmbedding, RotatedLinear)):
+                own = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+                module.layout = ChunkLayout(tuple(p.shape for p in own), topology.ring.size)
+                topology.ring.plan(module.layout, local(module.weight))
+        _forget_sources(model, state, [embedding, head])
+    model.config.get_text_config().vocab_size = size
+    model.vocab_size = size
+    model.tie_weights()
+    return model.get_input_embeddings()
+
+
+def _new_size(old: int, new_num_tokens, pad_to_multiple_of) -> int | None:
+    """The size vanilla's resize gives (its own checks, its own rounding), or None for no change at all."""
+    if pad_to_multiple_of is not None:
+        if not isinstance(pad_to_multiple_of, int):
+            raise ValueError(
+                f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not and integer. "
+                "Please make sure to pass an integer"
+            )
+        base = old if new_num_tokens is None else new_num_tokens
+        return math.ceil(base / pad_to_multiple_of) * pad_to_multiple_of
+    return new_num_tokens
+
+
+def _places(topology) -> list[tuple[int, int]]:
+    """(replica, ring rank) of every global rank: a device_mesh may lay rings out in any order."""
+    places = [None] * topology.world_size
+    dist.all_gather_object(places, (topology.dp_rank, topology.rtp_rank), group=topology.control)
+    return places
+
+
+def _collect(param: torch.Tensor, topology) -> torch.Tensor | None:
+    """The whole tensor on the writer (None elsewhere), streamed piece by piece by the ring."""
+    if not isinstance(param, DTensor):
+        return param.detach().clone() if topology.is_writer else None
+    if topology.dp_rank != 0:
+        return None
+    layout = ChunkLayout((param.shape,), topology.rtp_size)
+    chunk = param.to_local().detach()
+    whole = torch.empty(param.shape, dtype=chunk.dtype, device=chunk.device) if topology.is_writer else None
+    row = 0
+    for piece in topology.ring.collect(chunk, layout):  # pieces land in reused slots: copy each at once
+        whole[row : row + piece.shape[0]].copy_(piece)
+        row += piece.shape[0]
+    return whole
+
+
+def _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multiple_of, mean_resizing):
+    """transformers' own resize on plain modules holding the whole tensors; what it leaves in them."""
+    weight = whole["embedding"]
+    plain = nn.Embedding(weight.shape[0], weight.shape[1], padding_idx=embedding.padding_idx, _weight=weight)
+    plain = model._get_resized_embeddings(plain, new_num_tokens, pad_to_multiple_of, mean_resizing)
+    out = {"embedding": plain.weight.data}
+    if "head" in whole:
+        with torch.device("meta"):  # a Linear's constructor draws its init: vanilla's head draws nothing here
+            head = nn.Linear(whole["head"].shape[1], whole["head"].shape[0], bias="head_bias" in whole)
+        head.weight = nn.Parameter(whole["head"])
+        if "head_bias" in whole:
+            head.bias = nn.Parameter(whole["head_bias"])
+        head = model._get_resized_lm_head(head, plain.weight.shape[0], mean_resizing=mean_resizing)
+        out["head"] = head.weight.data
+        if head.bias is not None:
+            out["head_bias"] = head.bias.data
+    return out
+
+
+def _sent(whole: torch.Tensor | None, old: torch.Tensor, size: int, places, writer: int, topology) -> nn.Parameter:
+    """This rank's part of the writer's `whole`: its rows if `old` was rotated, else all of it."""
+    shape = torch.Size((size, *old.shape[1:]))
+    like = local(old).detach()
+    if not isinstance(old, RotatedTensor):
+        received = whole if topology.rank == writer else like.new_empty(shape)
+        dist.broadcast(received, src=writer, group=topology.group)
+        return nn.Parameter(received)
+    ring = topology.rtp_size
+    widest = chunk_rows(size, ring, 0)[1]
+    mine = like.new_zeros((widest, *shape[1:]))
+    pieces = None
+    if topology.rank == writer:
+        pieces = []
+        for _, ring_rank in places:
+            start, end = chunk_rows(size, ring, ring_rank)
+            padded = like.new_zeros((widest, *shape[1:]))
+            padded[: end - start] = whole[start:end]
+            pieces.append(padded)
+    dist.scatter(mine, pieces, src=writer, group=topology.group)
+    start, end = chunk_rows(size, ring, topology.rtp_rank)
+    return rotated_parameter(mine[: end - start].clone(), shape, topology)
+
+
+def _forget_sources(model, state, modules) -> None:
+    """The resized parameters are saved under their own names and new shapes."""
+    resized = {id(p) for m in modules if m is not None for p in m.parameters(recurse=False)}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in resized:
+            state.sources.pop(name, None)
+
+
+def _megabytes(whole, size: int) -> float:
+    tensors = [t for t in whole.values() if t is not None]
+    return sum(t.element_size() * t.numel() * (1 + size / max(t.shape[0], 1)) for t in tensors) / 2**20
