@@ -11,7 +11,7 @@ from transformers.pytorch_utils import Conv1D
 from .conv1d import RotatedConv1D
 from .embedding import RotatedEmbedding, embedding_refusal
 from .experts import RotatedExperts, experts_refusal
-from .linear import RotatedLinear
+from .linear import RotatedLinear, linear_refusal
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def _plain(base: type[nn.Module]) -> Callable[[nn.Module], str | None]:
 
 
 LAYERS: dict[str, LayerKind] = {
-    "linear": LayerKind(_plain(nn.Linear), RotatedLinear, ("weight", "bias"), "nn.Linear"),
+    "linear": LayerKind(linear_refusal, RotatedLinear, ("weight", "bias"), "nn.Linear"),
     "embedding": LayerKind(embedding_refusal, RotatedEmbedding, ("weight",), "nn.Embedding"),
     "conv1d": LayerKind(_plain(Conv1D), RotatedConv1D, ("weight",), "transformers Conv1D"),
     "experts": LayerKind(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -55,3 +59,19 @@ def finish_weight_grads(ctx, landed, ring, positions=(1, 2)) -> list[torch.Tenso
         ring.mean(landed[i]) if landed is not None and i < len(landed) and ctx.needs_input_grad[p] else None
         for i, p in enumerate(positions)
     ]
+
+
+def source_text(function) -> str | None:
+    """The function's code without annotations, decorators, docstring or comments."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(tree, ast.FunctionDef):
+        return None
+    tree.decorator_list, tree.returns = [], None
+    for arg in tree.args.args:
+        arg.annotation = None
+    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant):
+        tree.body = tree.body[1:]
+    return ast.unparse(tree)

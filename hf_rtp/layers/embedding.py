@@ -10,17 +10,13 @@ exact text of its forward, so an edited copy is refused rather than silently uns
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..dist.ring import Ring
 from ..dist.sharding import ChunkLayout
-from .common import finish_weight_grads, local
+from .common import finish_weight_grads, local, source_text
 
 
 def _in_range(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -97,24 +93,8 @@ class RotatedEmbedding(nn.Embedding):
 _SCALED_FORWARD = "def forward(self, input_ids):\n    return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
 
 
-def _source_text(function) -> str | None:
-    """The function's code without annotations, decorators, docstring or comments."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    if not isinstance(tree, ast.FunctionDef):
-        return None
-    tree.decorator_list, tree.returns = [], None
-    for arg in tree.args.args:
-        arg.annotation = None
-    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant):
-        tree.body = tree.body[1:]
-    return ast.unparse(tree)
-
-
 def _is_scaled(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "embed_scale", None), torch.Tensor) and _source_text(
+    return isinstance(getattr(module, "embed_scale", None), torch.Tensor) and source_text(
         type(module).forward
     ) == _SCALED_FORWARD
 

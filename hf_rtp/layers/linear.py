@@ -1,6 +1,11 @@
 """nn.Linear cut by output features: each held chunk fills its slice of the output (concatenate).
 
 Also the LM head, tied or not: a vocabulary-split linear whose chunks are the embedding's chunks.
+
+Subclasses that change the forward are refused, except those whose forward is a plain linear map
+written out, recognised by the exact text of that forward (Falcon's `FalconLinear`: `input @ W.T`,
+then `+ bias`), so an edited copy is refused rather than computed with other math. The map is the
+same; F.linear adds the bias inside its matmul, so a result can differ in the last bit.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from torch import nn
 
 from ..dist.ring import Ring
 from ..dist.sharding import ChunkLayout
-from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle
+from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle, source_text
 
 
 class _RotatedLinearFn(torch.autograd.Function):
@@ -78,3 +83,20 @@ class RotatedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RotatedLinearFn.apply(cast_for_matmul(x), local(self.weight), local(self.bias), self.ring, self.layout)
+
+
+# forwards of nn.Linear subclasses that compute exactly nn.Linear's map, by their code (layers.common.source_text)
+PLAIN_LINEAR_FORWARDS = {
+    "FalconLinear": "def forward(self, input):\n    hidden_states = input @ self.weight.T\n    if self.bias is None:\n"
+    "        return hidden_states\n    return hidden_states + self.bias",
+}
+
+
+def linear_refusal(module: nn.Module) -> str | None:
+    """Why the linear kind cannot reproduce this module exactly, or None when it can."""
+    if not isinstance(module, nn.Linear):
+        return "it is not a Linear"
+    forward = type(module).forward
+    if forward is nn.Linear.forward or source_text(forward) in PLAIN_LINEAR_FORWARDS.values():
+        return None
+    return f"{type(module).__name__} overrides Linear.forward, which hf_rtp does not reproduce"

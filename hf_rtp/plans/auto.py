@@ -47,4 +47,19 @@ def auto_plan(model: nn.Module) -> Plan:
         f"{', '.join(rotate)}; replicating {len(replicate)} parameters: {', '.join(replicate)}"
         + (f"; kept whole because no layer kind reproduces them exactly: {whole}" if kept else "")
     )
+    _warn_if_mostly_whole(model, replicate)
     return Plan(name="auto", rotate=rotate, replicate=replicate)
+
+
+def _warn_if_mostly_whole(model: nn.Module, replicate: tuple[str, ...]) -> None:
+    """The 1/N promise barely holds when most parameters stay whole: say so apart, with the biggest."""
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    whole = {n: sizes[n] for n in replicate if n in sizes}
+    share = sum(whole.values()) / max(sum(sizes.values()), 1)
+    if share > 0.5:
+        biggest = sorted(whole, key=whole.get, reverse=True)
+        log.warning(
+            f"plan='auto' keeps {share:.0%} of {type(model).__name__}'s parameters whole on every rank, so each rank "
+            f"holds most of the model: {', '.join(biggest[:12])}" + (f" and {len(biggest) - 12} more" if len(biggest) > 12 else "")
+            + ". Register a plan that rotates them (hf_rtp.plans.register), or load with plain data parallelism"
+        )

@@ -51,7 +51,7 @@ ZOO: dict[str, tuple[str, dict]] = {
     "phi": ("phi", dict(partial_rotary_factor=0.5)),  # dense + fc1/fc2, parallel block, biased head
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 0])),  # NoPE layers
     "olmoe": ("olmoe", dict(num_experts=5, num_experts_per_tok=2)),  # MoE without shared experts, q/k norm
-    # FalconLinear overrides Linear.forward: plan="auto" keeps those projections whole (still exact)
+    # FalconLinear writes a plain linear out in its own forward: the linear kind adapts it by its exact code
     "falcon": ("falcon", dict(num_kv_heads=4, parallel_attn=True, bias=False)),
 }
 # the subset also run at 3 ranks (uneven expert groups, empty chunks): one of each mechanism

@@ -133,3 +133,22 @@ def test_experts_declared_otherwise_are_refused():
 def _empty(config):
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_auto_plan_warns_apart_when_most_parameters_stay_whole(caplog):
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    with init_empty_weights():
+        falcon = AutoModelForCausalLM.from_config(zoo_config("falcon"))
+    with caplog.at_level(logging.WARNING, logger="hf_rtp"):
+        plan = auto_plan(falcon)  # FalconLinear's forward is a plain linear written out: rotated
+    assert "transformer.h.0.mlp.dense_h_to_4h" in plan.rotate and not any("whole on every rank" in r.message for r in caplog.records)
+    for name, module in list(falcon.named_modules()):
+        if isinstance(module, FalconLinear):
+            falcon.set_submodule(name, _ScaledLinear(module.in_features, module.out_features, bias=False, device="meta"))
+    with caplog.at_level(logging.WARNING, logger="hf_rtp"):
+        plan = auto_plan(falcon)
+    (record,) = [r for r in caplog.records if "whole on every rank" in r.message]
+    assert "transformer.h.0.mlp.dense_h_to_4h" not in plan.rotate
+    assert "keeps 77% of FalconForCausalLM's parameters whole on every rank" in record.message, record.message
+    assert "transformer.h.0.mlp.dense_h_to_4h.weight" in record.message
