@@ -15,11 +15,13 @@ import torch.distributed as dist
 
 from ..errors import CollectiveMisuseError
 
-_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub", "resize_token_embeddings")}
+_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub", "resize_token_embeddings", "full_tensor", "redistribute")}
 
 
-def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta) -> None:
-    """Meet every other rank at the start of `call` on the `entry` group, or fail on every rank that came."""
+def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
+          who: str = "rank") -> None:
+    """Meet every other rank (`who`: every rank of the ring, say) at the start of `call` on the `entry`
+    group, or fail on every rank that came."""
     if world_size == 1:
         return
     mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
@@ -28,7 +30,7 @@ def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int
         dist.all_gather(everyone, mine, group=entry)
     except RuntimeError as err:
         raise CollectiveMisuseError(
-            f"{call} is collective: every rank must call it, but rank {rank} waited "
+            f"{call} is collective: every {who} must call it, but rank {rank} waited "
             f"{timeout.total_seconds():g} s (HF_RTP_ENTRY_TIMEOUT) and not every rank came. "
             f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
             "the same number of batches."
@@ -38,6 +40,6 @@ def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int
         names = [_CALLS.get(int(t), "another hf_rtp call") for t in everyone]
         raise CollectiveMisuseError(
             "ranks entered different collective calls at once: "
-            + ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            + ", ".join(f"{who} {r}: {n}" for r, n in enumerate(names))
             + ". Every rank must make the same calls in the same order."
         )

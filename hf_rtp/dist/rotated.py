@@ -15,6 +15,10 @@ never for the process: other DTensor code keeps torch's check for mixing (DESIGN
 
 from __future__ import annotations
 
+import contextlib
+import re
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,7 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
-from ..errors import RotatedStateError
+from ..errors import CollectiveMisuseError, RotatedStateError
+from . import rendezvous
 from .sharding import chunk_rows
 
 _PICKLE_REFUSED = (
@@ -42,16 +47,25 @@ class RotationMesh(DeviceMesh):
     """on a 2-D grid, the group of this ring rank's replicas (the same rows, other data); else None"""
     replica_count: int
     """how many replicas hold these rows (1 on a flat ring)"""
+    entry: dist.ProcessGroup
+    """gloo over this ring with the short entry timeout: where a collective the user calls on a rotated
+    tensor (full_tensor, redistribute) meets, so that a rank skipping it is named within that timeout"""
+    entry_timeout: timedelta
 
     @classmethod
     def of(cls, group: dist.ProcessGroup, device_type: str, replicas: dist.ProcessGroup | None,
-           replica_count: int) -> "RotationMesh":
+           replica_count: int, entry: dist.ProcessGroup, entry_timeout: timedelta) -> "RotationMesh":
         """The 1-D `rtp` mesh over a ring's `group`. DeviceMesh offers no constructor from a group that a
         subclass can extend, so torch's `from_group` builds it and this class is set on the result."""
         mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("rtp",))
         mesh.__class__ = cls
         mesh.replicas, mesh.replica_count = replicas, replica_count
+        mesh.entry, mesh.entry_timeout = entry, entry_timeout
         return mesh
+
+    def meet(self, call: str) -> None:
+        """Every rank of the ring enters `call`, or each that did fails with CollectiveMisuseError."""
+        rendezvous.enter(call, self.entry, dist.get_rank(), self.size(), self.entry_timeout, "rank of the ring")
 
     def __reduce_ex__(self, protocol):
         raise RotatedStateError(_PICKLE_REFUSED)
@@ -78,6 +92,11 @@ class _DataParallelGather(torch.autograd.Function):
         mesh = ctx.mesh
         group = mesh.get_group()
         grad = grad.contiguous().clone()
+        with _named_if_skipped("the backward of full_tensor"):
+            return _DataParallelGather._mean(ctx, grad, mesh, group)
+
+    @staticmethod
+    def _mean(ctx, grad, mesh, group):
         dist.all_reduce(grad, group=group)  # the sum over the ring's batches
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         start, end = chunk_rows(ctx.shape[0], world, rank)
@@ -112,7 +131,8 @@ class RotatedTensor(DTensor):
             for t in rotated:
                 t.__class__ = DTensor
             DTensor._op_dispatcher._allow_implicit_replication = True
-            out = func(*args, **(kwargs or {}))
+            with _named_if_skipped(str(func)):  # an op that redistributes communicates on the ring
+                out = func(*args, **(kwargs or {}))
         finally:
             DTensor._op_dispatcher._allow_implicit_replication = allowed
             for t in rotated:
@@ -139,11 +159,13 @@ class RotatedTensor(DTensor):
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole tensor on every rank (collective). Under autograd its gradient reaches each
         rank's chunk as the mean over all ranks' batches, as DDP's would."""
-        if torch.is_grad_enabled() and self.requires_grad:
-            if grad_placements is not None:
-                raise RotatedStateError("full_tensor(grad_placements=...) is not supported on a rotated parameter")
-            return _DataParallelGather.apply(self)
-        return DTensor.full_tensor(DTensor.detach(self))
+        if torch.is_grad_enabled() and self.requires_grad and grad_placements is not None:
+            raise RotatedStateError("full_tensor(grad_placements=...) is not supported on a rotated parameter")
+        self.device_mesh.meet("full_tensor")
+        with _named_if_skipped("full_tensor"), _met():
+            if torch.is_grad_enabled() and self.requires_grad:
+                return _DataParallelGather.apply(self)
+            return DTensor.full_tensor(DTensor.detach(self))
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
         if torch.is_grad_enabled() and self.requires_grad:
@@ -152,7 +174,40 @@ class RotatedTensor(DTensor):
                 "batch only (DTensor assumes every rank has the same data). Use param.full_tensor(), whose gradient "
                 "hf_rtp averages over ranks like DDP, or call it under torch.no_grad()."
             )
-        return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
+        if not _MET[0]:  # full_tensor redistributes: it met the ring already
+            self.device_mesh.meet("redistribute")
+        with _named_if_skipped("redistribute"):
+            return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
+
+
+_MET = [False]
+_COMMUNICATION_FAILED = re.compile(r"timed out|connection closed|connection reset|gloo/transport|NCCL", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def _met():
+    before, _MET[0] = _MET[0], True
+    try:
+        yield
+    finally:
+        _MET[0] = before
+
+
+@contextlib.contextmanager
+def _named_if_skipped(call: str):
+    """A collective on a rotated tensor that times out or loses a rank (one rank ran it, another did
+    not) is a CollectiveMisuseError naming it, not gloo's or NCCL's bare message."""
+    try:
+        yield
+    except RuntimeError as err:
+        # functional collectives (DTensor's redistribution inside an op) raise the backend's plain RuntimeError
+        if not isinstance(err, dist.DistError) and not _COMMUNICATION_FAILED.search(str(err)):
+            raise
+        raise CollectiveMisuseError(
+            f"{call} on a rotated tensor is collective: every rank of its ring must run it, but this rank waited past "
+            "hf_rtp's timeout (HF_RTP_TIMEOUT) or lost a peer. Run it on every rank, not under "
+            f"`if accelerator.is_main_process:` ({type(err).__name__}: {str(err).splitlines()[0][:300]})"
+        ) from err
 
 
 def _tensors(values):

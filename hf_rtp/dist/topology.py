@@ -105,13 +105,17 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     ring_groups = {row: group("ring", row, backend, timeout) for row in rows if len(row) > 1}
     mesh_groups = {row: group("mesh", row, backend, timeout) for row in rows if len(row) > 1}
     replica_groups = {c: group("replicas", c, backend, timeout) for c in columns if len(c) > 1}
+    ring_entries = {row: group("ring-entry", row, "gloo", settings.entry_timeout) for row in rows if len(row) > 1}
     world_group = group("mesh", everyone, backend, timeout)  # the flat ring's mesh group: same ranks, same group
     entry = group("entry", everyone, "gloo", settings.entry_timeout)
     dp_rank, row = next((i, row) for i, row in enumerate(rows) if rank in row)
     column = columns[row.index(rank)]
     replicas, replica_count = replica_groups.get(column), len(column)
     ring = Ring(ring_groups.get(row), settings.piece_bytes, replicas, replica_count)
-    mesh = RotationMesh.of(mesh_groups[row], device.type, replicas, replica_count) if len(row) > 1 else None
+    mesh = None
+    if len(row) > 1:
+        mesh = RotationMesh.of(mesh_groups[row], device.type, replicas, replica_count, ring_entries[row],
+                               settings.entry_timeout)
     return Topology(rank, world, device, mesh, ring, control, entry, settings.entry_timeout, world_group, dp_rank, len(rows))
 
 

@@ -19,8 +19,13 @@ ENTRY = {"HF_RTP_ENTRY_TIMEOUT": "5"}
 def _only_rank0_calls(ckpt, call, out):
     import hf_rtp
     import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    from datetime import timedelta
 
     rank = int(os.environ["RANK"])
+    # the script's own world group, with a long timeout: rank 1's barrier below outwaits rank 0's failure
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
     batch = global_batch(2)[rank]
     outcome = None
@@ -33,6 +38,15 @@ def _only_rank0_calls(ckpt, call, out):
                 model.push_to_hub("user/repo")
             elif call == "generate":
                 model.generate(batch, max_new_tokens=2)
+            elif call == "full_tensor":  # e.g. logging a weight from the main process only
+                model.lm_head.weight.full_tensor()
+            elif call == "redistribute":
+                with torch.no_grad():
+                    model.lm_head.weight.redistribute(placements=[Replicate()])
+            elif call == "w @ w.T":  # a DTensor op that communicates inside dispatch (it gathers w.T)
+                with torch.no_grad():
+                    weight = model.lm_head.weight
+                    weight @ weight.T
             else:
                 model(input_ids=batch)
         except hf_rtp.CollectiveMisuseError as err:
@@ -49,6 +63,21 @@ def test_a_call_made_by_one_rank_fails_there_within_the_entry_timeout(tmp_path, 
     assert 4 <= seconds < 30, seconds
     assert f"{call} is collective: every rank must call it" in message and "HF_RTP_ENTRY_TIMEOUT" in message
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+@pytest.mark.parametrize("call, env, expected", [
+    ("full_tensor", ENTRY, "full_tensor is collective: every rank of the ring must call it"),
+    ("redistribute", ENTRY, "redistribute is collective: every rank of the ring must call it"),
+    # no entry to meet at: the op's own collective times out (HF_RTP_TIMEOUT), and is named
+    ("w @ w.T", {"HF_RTP_TIMEOUT": "5"}, "aten.mm.default on a rotated tensor is collective: "
+                                                "every rank of its ring must run it"),
+])
+def test_a_collective_on_a_rotated_tensor_made_by_one_rank_is_named(tmp_path, call, env, expected):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    (seconds, message), skipped = run_on_ranks(_only_rank0_calls, 2, ckpt, call, str(tmp_path / "out"), env=env)
+    assert skipped is None
+    assert 4 <= seconds < 30, seconds
+    assert expected in message, message
 
 
 def _different_calls(ckpt):
