@@ -22,9 +22,9 @@ from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
 from .checkpoint.save import push, save_pretrained
 from .dist.agreement import agreed
-from .dist.rotated import keep_rotated
+from .dist.rotated import COMPILE_REFUSED, keep_rotated
 from .dist.topology import setup
-from .errors import CheckpointError, TopologyError
+from .errors import CheckpointError, RotatedStateError, TopologyError
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import make_peft_use_global_features
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
@@ -200,12 +200,17 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
 
     model._apply = types.MethodType(_apply, model)
     if state.topology.world_size > 1:
+        model.compile = types.MethodType(_refuse_compile, model)  # torch.compile(model) is refused at its first trace
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
         backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
         make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
     return model
+
+
+def _refuse_compile(model, *args, **kwargs):
+    raise RotatedStateError(COMPILE_REFUSED)
 
 
 def _save_pretrained(model, *args, **kwargs):

@@ -81,6 +81,13 @@ _WRITE_REFUSED = (
 )
 
 
+COMPILE_REFUSED = (
+    "torch.compile does not trace a model hf_rtp loaded: its rotated layers walk the ring with point-to-point "
+    "sends inside autograd Functions, which dynamo cannot capture, and its parameters are DTensors of hf_rtp's own "
+    "class. Run the model eagerly (drop torch.compile / torch_compile=True / --dynamo_backend)."
+)
+
+
 class _DataParallelGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
@@ -153,8 +160,9 @@ class RotatedTensor(DTensor):
         return _marked(DTensor.clone(self, *args, **kwargs))
 
     def untyped_storage(self):
-        # what safetensors (accelerate's default save_state, save_model, save_file) reads first
-        raise RotatedStateError(_WRITE_REFUSED)
+        # what safetensors (accelerate's default save_state, save_model, save_file) reads first; and what
+        # dynamo reads of every parameter when torch.compile first traces the model
+        raise RotatedStateError(COMPILE_REFUSED if torch.compiler.is_compiling() else _WRITE_REFUSED)
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole tensor on every rank (collective). Under autograd its gradient reaches each
