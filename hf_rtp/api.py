@@ -3,6 +3,7 @@ attaches anything to a loaded model."""
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import types
@@ -144,7 +145,11 @@ def from_pretrained(
         initialise_head(model, fresh, dtype, topology.device, topology.control)
     if model.can_generate():
         model.generation_config = _generation_config(directory, model)
-    bind(model, RTPState(topology, plan, resolution, sources))
+    load_like = functools.partial(
+        from_pretrained, device=settings.device, device_mesh=device_mesh, rtp_size=topology.rtp_size, plan=plan,
+        timeout=settings.timeout, rotation_piece_size=settings.piece_bytes, fused_loss=settings.fused_loss,
+        verify_weights=settings.verify_weights)
+    bind(model, RTPState(topology, plan, resolution, sources, load_like))
     if is_causal_lm(model):
         install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)
     log.info(

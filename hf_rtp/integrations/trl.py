@@ -11,6 +11,12 @@ adopts the trainer (integrations.trainer). Adoption points the name `add_fused_l
 trainer's TRL modules at the function below, which stands in for `trl.trainer.utils.add_fused_lm_head`
 (TRL 1.16, with the signature checked) and hands every model that is not rotated, and every
 option it does not reproduce, to TRL's own. Outside those versions nothing is replaced, with a warning.
+
+Likewise `create_model_from_path`, with which DPOTrainer and GRPOTrainer build their reference model
+from the policy's path after Trainer.__init__: called by an adopted trainer whose policy is rotated,
+for the policy's own path, it loads the reference rotated like the policy (the same ring and plan),
+so no rank holds a whole copy; every other call goes to TRL's. A reward model that GRPOTrainer loaded
+by name before Trainer.__init__ is whole on every rank: adoption says so in a warning, with its size.
 """
 
 from __future__ import annotations
@@ -21,34 +27,80 @@ import sys
 import types
 
 from packaging.version import Version
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .. import log
 from ..errors import IntegrationError
 from ..model.fused_head import read_head, token_losses
-from ..model.state import is_rotated
+from ..model.state import is_rotated, state_of
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks for
 _ORIGINAL = "_hf_rtp_original"
 TESTED = ((1, 16), (1, 17))  # TRL versions whose add_fused_lm_head this stands in for: from, up to (excluded)
-_PARAMETERS = ["model", "temperature", "cast_lm_head_to_fp32", "outputs"]
+_PARAMETERS = {  # the TRL 1.16 signatures of what hf_rtp stands in for
+    "add_fused_lm_head": ["model", "temperature", "cast_lm_head_to_fp32", "outputs"],
+    "create_model_from_path": ["model_id", "architecture", "kwargs"],
+}
 
 
 def adopt(trainer) -> None:
-    """Route `add_fused_lm_head` of every TRL module in `trainer`'s class hierarchy through hf_rtp."""
+    """Route `add_fused_lm_head` and `create_model_from_path` of every TRL module in `trainer`'s class
+    hierarchy through hf_rtp."""
+    _warn_whole_reward_models(trainer)
     modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
-    originals = [getattr(m, "add_fused_lm_head", None) for m in modules]
-    if not any(o is not None and not hasattr(o, _ORIGINAL) for o in originals):
-        return
-    reason = _unsupported()
-    if reason is not None:
-        log.warning(f"hf_rtp leaves TRL's add_fused_lm_head alone ({reason}): with fused_lm_head=True it gathers "
-                    "the whole LM head on every rank")
-        return
-    for module, original in zip(modules, originals):
-        if original is not None and not hasattr(original, _ORIGINAL):
-            routed = functools.wraps(original)(functools.partial(add_fused_lm_head, original=original))
-            setattr(routed, _ORIGINAL, original)
-            module.add_fused_lm_head = routed
+    for name, replacement in (("add_fused_lm_head", add_fused_lm_head), ("create_model_from_path", create_model_from_path)):
+        originals = [getattr(m, name, None) for m in modules]
+        if not any(o is not None and not hasattr(o, _ORIGINAL) for o in originals):
+            continue
+        reason = _unsupported(name)
+        if reason is not None:
+            log.warning(f"hf_rtp leaves TRL's {name} alone ({reason}): " + (
+                "with fused_lm_head=True it gathers the whole LM head on every rank" if name == "add_fused_lm_head"
+                else "a reference model TRL builds from the policy's path is a whole copy on every rank; pass "
+                "ref_model=hf_rtp.from_pretrained(path) instead"))
+            continue
+        for module, original in zip(modules, originals):
+            if original is not None and not hasattr(original, _ORIGINAL):
+                routed = functools.wraps(original)(functools.partial(replacement, original=original))
+                setattr(routed, _ORIGINAL, original)
+                setattr(module, name, routed)
+
+
+def create_model_from_path(model_id, architecture=None, *, original, **kwargs):
+    """TRL's `create_model_from_path`; for the policy's own path under an adopted trainer whose policy is
+    rotated (the reference model), hf_rtp's from_pretrained with the policy's ring and plan."""
+    trainer = sys._getframe(1).f_locals.get("self")  # the trainer whose __init__ builds the reference
+    policy = getattr(trainer, "model", None)
+    state = state_of(policy, required=False) if isinstance(policy, nn.Module) else None
+    if state is None or state.load_like is None or model_id != getattr(policy.config, "_name_or_path", None):
+        return original(model_id, architecture, **kwargs)
+    if kwargs.pop("quantization_config", None) is not None:
+        raise IntegrationError(f"{type(trainer).__name__} asks for a quantized reference model; hf_rtp loads float weights "
+                               "only. Pass ref_model= yourself, or drop the quantization config")
+    if kwargs.pop("device_map", None) not in (None, "auto"):
+        raise IntegrationError("hf_rtp places the reference model itself, one chunk per rank: drop device_map")
+    if kwargs.pop("trust_remote_code", False):
+        raise IntegrationError("hf_rtp does not load remote code: the reference model must be a transformers class")
+    reference = state.load_like(model_id, auto_class=architecture, **kwargs)
+    log.info(f"{type(trainer).__name__}'s reference model is rotated like the policy: "
+             f"{_bytes_here(reference) / 2**20:.1f} MB of weights on this rank")
+    return reference
+
+
+def _bytes_here(model: nn.Module) -> int:
+    """Bytes of weights this rank holds: its chunk of rotated parameters, all of the others."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def _warn_whole_reward_models(trainer) -> None:
+    for reward in getattr(trainer, "reward_funcs", None) or []:
+        if isinstance(reward, nn.Module) and not is_rotated(reward):
+            log.warning(
+                f"{type(trainer).__name__}'s reward model {type(reward).__name__} is whole on every rank "
+                f"({_bytes_here(reward) / 2**20:.1f} MB each) beside a rotated policy. To rotate it too, pass "
+                "reward_funcs=hf_rtp.AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)"
+            )
 
 
 def replace_installed_head(model) -> None:
@@ -75,16 +127,16 @@ def replace_installed_head(model) -> None:
                       original=utils.add_fused_lm_head)
 
 
-def _unsupported() -> str | None:
-    """Why this TRL's add_fused_lm_head is not the one hf_rtp stands in for; None when it is."""
+def _unsupported(name: str = "add_fused_lm_head") -> str | None:
+    """Why this TRL's `name` is not the one hf_rtp stands in for; None when it is."""
     import trl
     from trl.trainer import utils
 
     if not TESTED[0] <= Version(trl.__version__).release[:2] < TESTED[1]:
         return f"TRL {trl.__version__} is outside the versions it was checked against, >=1.16 and <1.17"
-    found = list(inspect.signature(utils.add_fused_lm_head).parameters)
-    if found != _PARAMETERS:
-        return f"trl.trainer.utils.add_fused_lm_head takes {found}, not {_PARAMETERS}"
+    found = list(inspect.signature(getattr(utils, name)).parameters)
+    if found != _PARAMETERS[name]:
+        return f"trl.trainer.utils.{name} takes {found}, not {_PARAMETERS[name]}"
     return None
 
 

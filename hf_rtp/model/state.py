@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from torch import nn
 
@@ -21,6 +22,9 @@ class RTPState:
     sources: dict = field(default_factory=dict)
     """parameter name -> the stored tensors it was read from (checkpoint.conversion.Source), so that
     saving writes those names back"""
+    load_like: Callable[..., nn.Module] | None = None
+    """hf_rtp.from_pretrained with this model's settings (ring, plan, device, timeouts): how integrations
+    load a model a library would otherwise build whole beside this one (TRL's reference model)"""
 
 
 def rotated_module(model: nn.Module) -> nn.Module | None:
