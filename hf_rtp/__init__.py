@@ -18,6 +18,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .integrations.accelerate import Accelerator
+from .integrations.peft import adapter_state_dict
 from .integrations.trainer import attach_trainer
 from .model.state import is_rotated, state_of
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
@@ -36,6 +37,7 @@ __all__ = [
     "RotatedStateError",
     "TopologyError",
     "UnsupportedModelError",
+    "adapter_state_dict",
     "attach_trainer",
     "from_pretrained",
     "ignore_rotated_in_ddp",

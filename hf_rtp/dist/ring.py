@@ -121,6 +121,10 @@ class Ring:
         # Bytes this rank sent to its neighbour and all-reduced over its replicas: what hf_rtp/tools/cost.py models
         self.sent_bytes = self.reduced_bytes = 0
 
+    def __deepcopy__(self, memo):
+        # process groups and buffers, not data: a copied rotated layer (PEFT's modules_to_save) walks this ring
+        return self
+
     def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> _Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.

@@ -188,6 +188,28 @@ class RotatedTensor(DTensor):
             return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
 
 
+def whole(tensor: DTensor) -> torch.Tensor:
+    """Collective, without autograd: the whole tensor, for hf_rtp's code inside a call the ranks have already
+    met at (a forward), so without full_tensor's entry meeting."""
+    with torch.no_grad(), _named_if_skipped("gathering a rotated tensor"), _met():
+        return DTensor.full_tensor(tensor.detach())
+
+
+def rows_of(tensor: DTensor, indices: list[int]) -> torch.Tensor:
+    """Collective over the ring, without autograd: rows `indices` of a Shard(0) rotated tensor, whole on every
+    rank. Each rank fills the rows it holds and zeros elsewhere; one sum over the ring (exact: one term is
+    nonzero) puts every row everywhere, without gathering the rest of the tensor."""
+    with torch.no_grad(), _named_if_skipped("reading rows of a rotated tensor"):
+        mesh, chunk = tensor.device_mesh, tensor._local_tensor
+        start, _ = chunk_rows(tensor.shape[0], mesh.size(), mesh.get_local_rank())
+        out = chunk.new_zeros((len(indices), *tensor.shape[1:]))
+        for j, i in enumerate(indices):
+            if 0 <= i - start < chunk.shape[0]:
+                out[j] = chunk[i - start]
+        dist.all_reduce(out, group=mesh.get_group())
+        return out
+
+
 _MET = [False]
 _COMMUNICATION_FAILED = re.compile(r"timed out|connection closed|connection reset|gloo/transport|NCCL", re.IGNORECASE)
 

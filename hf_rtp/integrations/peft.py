@@ -1,4 +1,7 @@
-"""PEFT compatibility: size LoRA layers on rotated modules by their global features.
+"""PEFT compatibility: size LoRA layers on rotated modules by their global features, give DoRA the
+whole weight norm, and gather what PEFT saves of rotated trainable copies (`modules_to_save` of an
+embedding or LM head, which stay rotated: a whole copy of a 128k-vocabulary head, its gradient and Adam
+moments would be 8 GB per rank).
 
 Stands in for `peft.tuners.tuners_utils._get_in_out_features` (PEFT 0.15 to 0.21, the versions tested).
 PEFT sizes adapters for a layer whose weight is a DTensor by the local shard, unless the mesh is named
@@ -7,18 +10,38 @@ rotated module, like an FSDP one, computes the full projection, so its adapters 
 Until PEFT knows the `rtp` mesh, the name `_get_in_out_features` in PEFT's modules points at a function
 that answers for hf_rtp's modules and hands every other module to PEFT's own, unchanged.
 
+Likewise `peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm`: PEFT computes DoRA's per-row norm of
+`W + scale * B @ A` with the base weight as it finds it, which on a rotated layer is a Shard(0) DTensor,
+and the sharded norm then breaks the forward. The stand-in takes PEFT's own norm (each rank's rows, the
+same arithmetic row by row) and gathers the [out_features] vector whole; PEFT detaches it anyway.
+
+And `trainable_token_indices` (PEFT's TrainableTokensLayer) on a rotated embedding or tied head: PEFT
+reads the chosen rows with `weight[indices]` and merges them into a whole copy of the weight at every
+forward (`index_copy`, then `F.embedding` / `F.linear`). The stand-ins for its `update_layer` and
+`forward_adapters` read the rows once, exactly, over the ring (`rows_of`), and at each forward run the
+rotated layer and then write the trainable rows' lookups (or logits) over its output: the same values,
+with no whole copy.
+
 Outside the tested versions nothing is replaced, and a warning says so: PEFT's own rule then sizes
 adapters on rotated layers, and a wrong size fails at the first forward (a shape mismatch), never silently.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
+import torch
+import torch.nn.functional as F
 from packaging.version import Version
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .. import log
-from ..layers import RotatedConv1D, RotatedLinear
+from ..dist.rotated import RotatedTensor, rows_of, whole
+from ..errors import RotatedStateError
+from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
+from ..layers.common import local
 
 TESTED = ((0, 15), (0, 22))  # from, up to (excluded): PEFT versions whose _get_in_out_features this stands in for
 _MARK = "hf_rtp_stands_in_for"
@@ -53,4 +76,96 @@ def make_peft_use_global_features() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("peft.") and getattr(module, "_get_in_out_features", None) is original:
             module._get_in_out_features = get_in_out_features
+    _stand_in_for_dora_norm()
+    _stand_in_for_trainable_tokens()
 
+
+def _stand_in_for_dora_norm() -> None:
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    original = DoraLinearLayer.get_weight_norm
+    if getattr(original, _MARK, None) is not None:
+        return
+
+    @functools.wraps(original)
+    def get_weight_norm(self, weight, lora_weight, scaling, *args, **kwargs):
+        norm = original(self, weight, lora_weight, scaling, *args, **kwargs)
+        return whole(norm) if isinstance(norm, RotatedTensor) else norm
+
+    setattr(get_weight_norm, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm")
+    DoraLinearLayer.get_weight_norm = get_weight_norm
+
+
+
+def adapter_state_dict(model) -> dict | None:
+    """Collective. The state dict PEFT's `save_pretrained` takes (`state_dict=`), with the rotated tensors it
+    would write (the trainable copies `modules_to_save` makes of a rotated embedding or head, an embedding
+    saved beside adapters after a resize) gathered whole, in one order on every rank; None when it would write
+    no rotated tensor, so PEFT's own save is right as it is. Pass it to `model.save_pretrained(dir,
+    state_dict=...)` on the main process."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = model.state_dict()
+    written = get_peft_model_state_dict(model, state_dict=state)  # PEFT's own selection, DTensors untouched
+    by_id = {id(t): name for name, t in state.items()}
+    rotated = sorted((name, t) for name, t in written.items() if isinstance(t, DTensor))
+    if not rotated:
+        return None
+    missing = [name for name, t in rotated if id(t) not in by_id]
+    if missing:
+        raise RotatedStateError(f"PEFT writes rotated tensors hf_rtp cannot trace back to the model: {missing[:4]}")
+    with torch.no_grad():
+        for _, tensor in rotated:
+            state[by_id[id(tensor)]] = tensor.full_tensor()
+    return state
+
+
+def _stand_in_for_trainable_tokens() -> None:
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    update, forward = TrainableTokensLayer.update_layer, TrainableTokensLayer.forward_adapters
+    if getattr(update, _MARK, None) is not None:
+        return
+
+    @functools.wraps(update)
+    def update_layer(self, adapter_name, config=None, tied_adapter=None, **kwargs):
+        weight = self.get_base_layer().weight
+        if tied_adapter is not None or not isinstance(weight, RotatedTensor):
+            return update(self, adapter_name, config, tied_adapter, **kwargs)
+        indices = config.token_indices if config is not None else kwargs["token_indices"]
+        init_weights = config.init_weights if config is not None else kwargs.get("init_weights", True)
+        self.token_indices[adapter_name] = indices
+        originals = rows_of(weight, list(indices))
+        values = originals if init_weights else torch.randn(originals.shape, dtype=originals.dtype, device=originals.device)
+        self.trainable_tokens_delta[adapter_name] = nn.Parameter(values.clone(), requires_grad=True)
+        self.trainable_tokens_original[adapter_name] = originals.detach().clone()
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+
+    @functools.wraps(forward)
+    def forward_adapters(self, x, active_adapters, *args, **kwargs):
+        base = self.base_layer
+        if not isinstance(base, (RotatedEmbedding, RotatedLinear)) or self.disable_adapters or not active_adapters \
+                or self.merged:
+            return forward(self, x, active_adapters, *args, **kwargs)
+        self._check_overlapping_tokens(active_adapters)
+        result = base(x, *args, **kwargs)
+        for adapter in active_adapters:
+            indices = self.token_indices[adapter]
+            index = torch.tensor(indices, device=result.device)
+            delta = self.trainable_tokens_delta[adapter].to(local(base.weight))  # as PEFT's `.to(W)`
+            if isinstance(base, RotatedEmbedding):
+                hit = x.unsqueeze(-1) == index
+                # vanilla's padding row gets no gradient: neither does its trainable copy
+                padding = indices.index(base.padding_idx) if base.padding_idx in indices else None
+                rows = F.embedding(hit.to(torch.int64).argmax(-1), delta, padding_idx=padding)
+                scale = self._get_embed_scale()
+                if scale is not None:
+                    rows = rows * scale.to(rows.dtype)
+                result = torch.where(hit.any(-1, keepdim=True), rows.to(result.dtype), result)
+            else:  # a tied head: the trainable rows' logits
+                result = result.index_copy(-1, index, F.linear(x, delta).to(result.dtype))
+        return result
+
+    for stand_in, name in ((update_layer, "update_layer"), (forward_adapters, "forward_adapters")):
+        setattr(stand_in, _MARK, f"peft.tuners.trainable_tokens.layer.TrainableTokensLayer.{name}")
+        setattr(TrainableTokensLayer, name, stand_in)

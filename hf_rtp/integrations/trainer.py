@@ -36,6 +36,7 @@ from ..errors import IntegrationError
 from ..log import warning
 from ..model.state import rotated_module, state_of
 from . import trl
+from .peft import adapter_state_dict
 from .accelerate import check_processes
 
 STATE_DIR = "hf_rtp_state"
@@ -156,8 +157,15 @@ def _optimizer(trainer):
 def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
     output_dir = output_dir or self.args.output_dir
     model = self.accelerator.unwrap_model(self.model)
-    if _is_peft(model):  # replicated adapters: Trainer's main-process save is right
-        return type(self).save_model(self, output_dir, _internal_call)
+    if _is_peft(model):
+        state_dict = adapter_state_dict(model)  # collective: rotated modules_to_save copies, gathered
+        if state_dict is None:  # replicated adapters only: Trainer's main-process save is right
+            return type(self).save_model(self, output_dir, _internal_call)
+        if self.args.should_save:
+            type(self)._save(self, output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return None
     model.save_pretrained(output_dir)  # collective
     if self.args.should_save:  # the rest as Trainer writes it: processing class or collator's tokenizer, args
         rotated = rotated_module(model)

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from support.models import global_batch, make_tiny, tiny_tokenizer
 from support.spawn import run_on_ranks
 
@@ -35,7 +36,9 @@ def _sft(model, out, lora):
     if lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+        # with "modules_to_save", PEFT trains a copy of the rotated head and embedding, which stay rotated
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False,
+                                 modules_to_save=["lm_head", "embed_tokens"] if lora == "modules_to_save" else None)
     grads = FirstGrads()
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}),
                          processing_class=tiny_tokenizer(), callbacks=[grads], peft_config=peft_config)
@@ -43,6 +46,7 @@ def _sft(model, out, lora):
     head = base.forward.__func__.__code__.co_filename  # which fused_lm_head=True forward SFTTrainer installed
     trainer.train()
     logged = [(e["loss"], e["entropy"], e["mean_token_accuracy"]) for e in trainer.state.log_history if "loss" in e]
+    trainer.save_model(os.path.join(out, "saved"))  # collective for a rotated model; PEFT's files for adapters
     # numpy: tensors would cross the result queue through shared memory that dies with the process
     return logged, {n: g.numpy() for n, g in grads.grads.items()}, head
 
@@ -58,16 +62,28 @@ def _compare(ckpt, out, lora):
     return vanilla, rotated
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "peft"])
+@pytest.mark.parametrize("lora", [False, True, "modules_to_save"], ids=["full", "peft", "peft-modules-to-save"])
 def test_sft_trainer_matches_vanilla_ddp_in_losses_and_every_gradient(tmp_path, lora):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     (vanilla_logged, vanilla_grads, vanilla_head), (logged, grads, head) = run_on_ranks(_compare, 2, ckpt, str(tmp_path), lora)[0]
     # the rotated model's per-token log-probs, entropy and top-1 come from the ring, not a gathered head
     assert vanilla_head.endswith(os.path.join("trl", "trainer", "utils.py"))
-    assert head.endswith(os.path.join("hf_rtp", "integrations", "trl.py"))
-    assert grads.keys() == vanilla_grads.keys() and ("lm_head.weight" in grads) != lora
+    # a PEFT copy of the head (modules_to_save) goes to TRL's own fused head, which gathers it (with a warning)
+    assert head.endswith(os.path.join("trl", "trainer", "utils.py") if lora == "modules_to_save"
+                         else os.path.join("hf_rtp", "integrations", "trl.py"))
+    assert grads.keys() == vanilla_grads.keys() and ("lm_head.weight" in grads) != bool(lora)
+    if lora == "modules_to_save":
+        assert "base_model.model.lm_head.modules_to_save.default.weight" in grads
     # two float32 loss kernels (TRL's and hf_rtp's) on a float64 model: ~3e-7 of each gradient's scale
     for name, grad in vanilla_grads.items():
         torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-7,
                                    atol=2e-6 * abs(grad).max(), msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)  # loss, entropy, top-1 accuracy
+    saved = {}
+    for run in ("vanilla", "rotated"):  # the same files; the same tensors within 0.1% of an Adam step (lr 1e-2)
+        folder = tmp_path / run / "saved"
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        saved[run] = (names, {k: v for n in names for k, v in load_file(folder / n).items()})
+    assert saved["rotated"][0] == saved["vanilla"][0] and saved["rotated"][1].keys() == saved["vanilla"][1].keys()
+    for name, tensor in saved["vanilla"][1].items():
+        torch.testing.assert_close(saved["rotated"][1][name], tensor, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
