@@ -2,6 +2,7 @@
 
 from .api import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     from_pretrained,
@@ -27,6 +28,7 @@ from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 __all__ = [
     "Accelerator",
     "AutoModelForCausalLM",
+    "AutoModelForImageTextToText",
     "AutoModelForSequenceClassification",
     "AutoModelForTokenClassification",
     "CheckpointError",

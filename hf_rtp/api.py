@@ -95,7 +95,8 @@ def from_pretrained(
             else one whole-file hash per copy); replicated tensors are always compared in full. "full":
             also hash every file whole (one rank per copy) against every recorded hash.
         auto_class: the transformers auto class to build: AutoModelForCausalLM (default),
-            AutoModelForSequenceClassification (reward models, classifiers) or AutoModelForTokenClassification;
+            AutoModelForSequenceClassification (reward models, classifiers), AutoModelForTokenClassification or
+            AutoModelForImageTextToText (Qwen2-VL, Qwen2.5-VL: the language model rotated, the vision tower whole);
             or call hf_rtp.AutoModelFor....from_pretrained. A head the checkpoint lacks (a reward model made
             from a causal LM) is initialised as vanilla initialises it, on rank 0, and sent to every rank.
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
@@ -184,6 +185,10 @@ class AutoModelForSequenceClassification(_Auto):
 
 class AutoModelForTokenClassification(_Auto):
     auto_class = transformers.AutoModelForTokenClassification
+
+
+class AutoModelForImageTextToText(_Auto):
+    auto_class = transformers.AutoModelForImageTextToText
 
 
 def bind(model: nn.Module, state: RTPState) -> nn.Module:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -26,6 +27,7 @@ SUPPORTED = {
     AutoModelForCausalLM: "ForCausalLM",
     AutoModelForSequenceClassification: "ForSequenceClassification",
     AutoModelForTokenClassification: "ForTokenClassification",
+    AutoModelForImageTextToText: "ForConditionalGeneration",
 }
 # architectures whose checkpoints are not causal LMs, by suffix, and what loads them in hf_rtp
 _OTHER_HEADS = {

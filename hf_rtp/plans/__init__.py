@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from ..errors import PlanError, UnsupportedModelError
 from .base import Plan, Resolution
-from .decoder import FAMILIES, decoder_plan
+from .decoder import FAMILIES, VISION_LANGUAGE, decoder_plan, vision_language_plan
 from .gpt2 import GPT2
 
-_REGISTRY: dict[str, Plan] = {"gpt2": GPT2, **{family: decoder_plan(family) for family in FAMILIES}}
+_REGISTRY: dict[str, Plan] = {
+    "gpt2": GPT2,
+    **{family: decoder_plan(family) for family in FAMILIES},
+    **{family: vision_language_plan(family) for family in VISION_LANGUAGE},
+}
 
 
 def supported() -> list[str]:

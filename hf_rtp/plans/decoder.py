@@ -37,3 +37,16 @@ FAMILIES = (
 
 def decoder_plan(name: str) -> Plan:
     return Plan(name=name, rotate=dict(_ROTATE), replicate=_REPLICATE)
+
+
+# Image-text-to-text models whose language model is such a decoder under `model.language_model.`: the
+# language model and the head rotate as above; the vision tower (a small share of the parameters, run once
+# per image) and its projector stay whole on every rank.
+VISION_LANGUAGE = {"qwen2_vl": ("model.visual.*",), "qwen2_5_vl": ("model.visual.*",)}
+
+
+def vision_language_plan(name: str) -> Plan:
+    inner = "model.language_model."
+    rotate = {(k if k == "lm_head" else inner + k.removeprefix("model.")): v for k, v in _ROTATE.items()}
+    replicate = tuple(inner + p.removeprefix("model.") for p in _REPLICATE if p.startswith("model."))
+    return Plan(name=name, rotate=rotate, replicate=replicate + VISION_LANGUAGE[name])
