@@ -152,3 +152,17 @@ def test_auto_plan_warns_apart_when_most_parameters_stay_whole(caplog):
     assert "transformer.h.0.mlp.dense_h_to_4h" not in plan.rotate
     assert "keeps 77% of FalconForCausalLM's parameters whole on every rank" in record.message, record.message
     assert "transformer.h.0.mlp.dense_h_to_4h.weight" in record.message
+
+
+def test_the_vision_language_plans_cover_qwen2_5_vl_as_they_cover_qwen2_vl():
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=32))
+    with init_empty_weights():
+        model = AutoModelForImageTextToText.from_config(config)
+    resolution = plans.get("qwen2_5_vl").resolve(model)  # every parameter covered exactly once
+    assert "model.language_model.layers.1.self_attn.o_proj" in resolution.rotated and "lm_head" in resolution.rotated
+    assert not any(name.startswith("model.visual.") for name in resolution.rotated)
