@@ -121,7 +121,7 @@ def from_pretrained(
     config.dtype = dtype  # as vanilla records it
     # before any other collective: ranks holding other files would otherwise meet in different ones
     agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=settings.piece_bytes,
-                      dtype=dtype, verify=settings.verify_weights), topology.control)
+                      dtype=dtype, verify=settings.verify_weights, model_class=auto_class.__name__), topology.control)
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = auto_class.from_config(config, dtype=dtype)

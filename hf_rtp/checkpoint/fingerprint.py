@@ -49,7 +49,8 @@ def _headers(paths: list[str]) -> str:
     return "#" + hasher.hexdigest()[:12]
 
 
-def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_bytes, dtype, verify) -> dict[str, str]:
+def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_bytes, dtype, verify,
+                model_class: str = "AutoModelForCausalLM") -> dict[str, str]:
     """`plan` as given to from_pretrained: a Plan (its rules count) or a name ("auto", a model_type)."""
     import transformers
 
@@ -71,6 +72,7 @@ def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_
         "rotation_piece_size": f"{piece_bytes} bytes",
         "dtype": str(dtype),
         "verify_weights": verify,
+        "model class": model_class,
     }
 
 

@@ -138,8 +138,11 @@ class RotatedTensor(DTensor):
             for t in rotated:
                 t.__class__ = DTensor
             DTensor._op_dispatcher._allow_implicit_replication = True
-            with _named_if_skipped(str(func)):  # an op that redistributes communicates on the ring
+            try:
                 out = func(*args, **(kwargs or {}))
+            except RuntimeError as err:  # an op that redistributes communicates on the ring
+                _raise_if_skipped(str(func), err)
+                raise
         finally:
             DTensor._op_dispatcher._allow_implicit_replication = allowed
             for t in rotated:
@@ -230,9 +233,15 @@ def _named_if_skipped(call: str):
     try:
         yield
     except RuntimeError as err:
-        # functional collectives (DTensor's redistribution inside an op) raise the backend's plain RuntimeError
-        if not isinstance(err, dist.DistError) and not _COMMUNICATION_FAILED.search(str(err)):
-            raise
+        _raise_if_skipped(call, err)
+        raise
+
+
+def _raise_if_skipped(call: str, err: RuntimeError) -> None:
+    # functional collectives (DTensor's redistribution inside an op) raise the backend's plain RuntimeError
+    if isinstance(err, CollectiveMisuseError):
+        return  # named already, deeper down
+    if isinstance(err, dist.DistError) or _COMMUNICATION_FAILED.search(str(err)):
         raise CollectiveMisuseError(
             f"{call} on a rotated tensor is collective: every rank of its ring must run it, but this rank waited past "
             "hf_rtp's timeout (HF_RTP_TIMEOUT) or lost a peer. Run it on every rank, not under "

@@ -22,13 +22,13 @@ from transformers import (
 from .. import log
 from ..errors import UnsupportedModelError
 
-# the auto classes hf_rtp loads -> the suffix of the architectures they build
-SUPPORTED = {
-    AutoModelForCausalLM: "ForCausalLM",
-    AutoModelForSequenceClassification: "ForSequenceClassification",
-    AutoModelForTokenClassification: "ForTokenClassification",
-    AutoModelForImageTextToText: "ForConditionalGeneration",
-}
+# the auto classes hf_rtp loads
+SUPPORTED = (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoModelForImageTextToText,
+)
 # architectures whose checkpoints are not causal LMs, by suffix, and what loads them in hf_rtp
 _OTHER_HEADS = {
     "ForSequenceClassification": "hf_rtp.AutoModelForSequenceClassification",

@@ -1,9 +1,11 @@
-"""TRL's reference model, which DPOTrainer builds itself from the policy's path when ref_model=None.
+"""TRL's reference model, which DPOTrainer (ref_model=None) and GRPOTrainer (beta>0) build themselves
+from the policy's path.
 
 Before, TRL loaded it with vanilla from_pretrained: numbers equal, but a whole copy on every rank,
-silently. Now hf_rtp loads it rotated like the policy. Full fine-tune against vanilla under DDP in the
-same processes, float64: losses, the logged reward margins and every gradient; and the reference's
-bytes per rank against the whole model's.
+silently. Now hf_rtp loads it rotated like the policy. Full fine-tunes against vanilla under DDP in the
+same processes, float64: DPO's losses, reward margins and every gradient, with the reference's bytes per
+rank against the whole model's; GRPO's losses, KL and rewards, with a whole reward model beside the
+policy warned about.
 """
 
 import os
@@ -74,7 +76,9 @@ def test_dpo_reference_built_by_trl_is_rotated_and_training_matches_vanilla_ddp(
         torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)
 
 
-def _grpo(model, out):
+def _grpo(model, reward_model, out):
+    import logging
+
     import hf_rtp
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -87,26 +91,42 @@ def _grpo(model, out):
     config = GRPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, num_generations=2,
                         max_completion_length=4, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                         disable_tqdm=True, save_strategy="no", bf16=False, beta=0.1)  # beta > 0: TRL builds a reference
-    trainer = GRPOTrainer(model=model, reward_funcs=length, args=config, train_dataset=prompts,
-                          processing_class=tiny_tokenizer())
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("hf_rtp").addHandler(handler)
+    try:  # a whole reward model beside the policy: the same in both runs, warned about beside a rotated one
+        trainer = GRPOTrainer(model=model, reward_funcs=[length, reward_model], args=config, train_dataset=prompts,
+                              processing_class=tiny_tokenizer(), reward_processing_classes=[None, tiny_tokenizer()])
+    finally:
+        logging.getLogger("hf_rtp").removeHandler(handler)
     rotated = hf_rtp.is_rotated(trainer.ref_model)
     trainer.train()
-    return rotated, [(e["loss"], e["kl"], e["reward"]) for e in trainer.state.log_history if "loss" in e]
+    whole = [w for w in warnings if "reward model LlamaForSequenceClassification is whole on every rank" in w]
+    return rotated, [(e["loss"], e["kl"], e["reward"]) for e in trainer.state.log_history if "loss" in e], whole
 
 
 def _grpo_both(ckpt, out):
     import hf_rtp
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)  # sampling: each rank draws from its own generator, seeded alike in both runs
-    vanilla = _grpo(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"))
-    torch.manual_seed(0)
-    return vanilla, _grpo(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"))
+    from transformers import AutoModelForSequenceClassification
+
+    runs = []
+    for load, name in ((AutoModelForCausalLM.from_pretrained, "vanilla"), (hf_rtp.from_pretrained, "rotated")):
+        torch.manual_seed(0)  # the reward head's init, then sampling: each rank its own generator, alike in both runs
+        reward_model = AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=1, dtype=torch.float64)
+        runs.append(_grpo(load(ckpt, dtype=torch.float64), reward_model, os.path.join(out, name)))
+    return runs
 
 
 def test_grpo_with_a_kl_term_gets_a_rotated_reference_and_matches_vanilla_ddp(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    for (vanilla_rotated, vanilla_logged), (rotated, logged) in run_on_ranks(_grpo_both, 2, ckpt, str(tmp_path)):
+    for rank, ((vanilla_rotated, vanilla_logged, vanilla_warned), (rotated, logged, warned)) in enumerate(
+            run_on_ranks(_grpo_both, 2, ckpt, str(tmp_path))):
         assert rotated and not vanilla_rotated
+        assert not vanilla_warned and len(warned) == (rank == 0), warned  # hf_rtp logs on rank 0
+        if rank == 0:
+            assert "MB each) beside a rotated policy" in warned[0] and "hf_rtp.AutoModelForSequenceClassification" in warned[0]
         assert logged[-1][1] > 0  # the KL to the reference is in the loss: the reference was used
         torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)  # loss, KL, reward
