@@ -31,6 +31,7 @@ def test_committed_without_outputs(name):
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' scratch folders go here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_RTP_NOTEBOOK_WORLD_SIZES", "2")  # 03_memory's bench at 2 ranks only: test_bench covers more
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]

@@ -57,7 +57,7 @@ def test_kind_must_fit_module_type():
 
 def test_unknown_model_type_lists_supported():
     with pytest.raises(
-        plans.UnsupportedModelError, match=r"no plan for model_type 'bert'. Supported: deepseek_v3, gemma, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe.*plan='auto'"
+        plans.UnsupportedModelError, match=r"no plan for model_type 'bert'. Supported: deepseek_v3, gemma, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe.*plan='auto'"
     ):
         plans.get("bert")
 
