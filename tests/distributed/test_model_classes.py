@@ -13,22 +13,7 @@ import pytest
 import torch
 from support.models import VOCAB, global_batch, make_tiny, tiny_tokenizer
 from support.spawn import run_on_ranks
-
-
-class _FirstGrads:
-    def __init__(self):
-        from transformers import TrainerCallback
-
-        owner = self
-
-        class Callback(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-                if state.global_step == 0:
-                    with torch.no_grad():
-                        owner.grads = {n.removeprefix("module."): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                       else p.grad.clone()).numpy() for n, p in model.named_parameters() if p.grad is not None}
-
-        self.callback = Callback()
+from support.trainer_grads import first_grads_callback
 
 
 def _reward(model, out):
@@ -37,11 +22,11 @@ def _reward(model, out):
 
     rows = global_batch(8, batch=2, seq=8, seed=3).reshape(16, 8)
     data = Dataset.from_dict({"chosen_ids": rows[:8].tolist(), "rejected_ids": rows[8:].tolist()})
-    grads = _FirstGrads()
+    grads = first_grads_callback()
     config = RewardConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
                           report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", bf16=False)
     trainer = RewardTrainer(model=model, args=config, train_dataset=data, processing_class=tiny_tokenizer(),
-                            callbacks=[grads.callback])
+                            callbacks=[grads])
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     trainer.save_model(os.path.join(out, "saved"))

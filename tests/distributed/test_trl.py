@@ -14,19 +14,12 @@ import torch
 from safetensors.torch import load_file
 from support.models import global_batch, make_tiny, tiny_tokenizer
 from support.spawn import run_on_ranks
+from support.trainer_grads import first_grads_callback
 
 
 def _sft(model, out, lora):
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
-
-    class FirstGrads(TrainerCallback):  # after clipping, just before the first optimizer step
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 0:
-                with torch.no_grad():
-                    self.grads = {n.removeprefix("module."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                  else p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     ids = global_batch(8, batch=2, seq=10, seed=5).reshape(16, 10).tolist()
     config = SFTConfig(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
@@ -39,7 +32,7 @@ def _sft(model, out, lora):
         # with "modules_to_save", PEFT trains a copy of the rotated head and embedding, which stay rotated
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False,
                                  modules_to_save=["lm_head", "embed_tokens"] if lora == "modules_to_save" else None)
-    grads = FirstGrads()
+    grads = first_grads_callback()
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}),
                          processing_class=tiny_tokenizer(), callbacks=[grads], peft_config=peft_config)
     base = trainer.model.get_base_model() if lora else trainer.model
@@ -48,7 +41,7 @@ def _sft(model, out, lora):
     logged = [(e["loss"], e["entropy"], e["mean_token_accuracy"]) for e in trainer.state.log_history if "loss" in e]
     trainer.save_model(os.path.join(out, "saved"))  # collective for a rotated model; PEFT's files for adapters
     # numpy: tensors would cross the result queue through shared memory that dies with the process
-    return logged, {n: g.numpy() for n, g in grads.grads.items()}, head
+    return logged, grads.grads, head
 
 
 def _compare(ckpt, out, lora):

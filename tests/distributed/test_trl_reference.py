@@ -13,6 +13,7 @@ import os
 import torch
 from support.models import make_tiny, tiny_tokenizer
 from support.spawn import run_on_ranks
+from support.trainer_grads import first_grads_callback
 
 
 def _pairs():
@@ -25,17 +26,9 @@ def _pairs():
 
 
 def _dpo(model, out):
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    class FirstGrads(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 0:
-                with torch.no_grad():
-                    self.grads = {n.removeprefix("module."): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                  else p.grad.clone()).numpy() for n, p in model.named_parameters() if p.grad is not None}
-
-    grads = FirstGrads()
+    grads = first_grads_callback()
     config = DPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
                        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", bf16=False,
                        dataset_num_proc=None)
