@@ -1,8 +1,8 @@
 """`model.resize_token_embeddings` on a rotated model, as a chat fine-tune calls it after adding tokens.
 
 Beside vanilla in the same processes, seeded alike: the resized embedding and head equal vanilla's
-(both `mean_resizing` modes, `pad_to_multiple_of`, tied and untied heads, sizes no world size divides),
-re-cut over the ring; then one SGD step on batches that use the new tokens gives vanilla's gradients
+(both `mean_resizing` modes, `pad_to_multiple_of`, tied and untied heads, sizes no ring size divides),
+re-cut over the ring, on one ring of 2 and on 2 replicas of 2-rank rings whose writer is not rank 0; then one SGD step on batches that use the new tokens gives vanilla's gradients
 under DDP, and the saved checkpoint loads in vanilla with vanilla's weights.
 """
 
@@ -22,19 +22,25 @@ CASES = [  # (tied, new_num_tokens, pad_to_multiple_of, mean_resizing)
 ]
 
 
-def _resize_train_save(ckpts, world, out):
+def _resize_train_save(ckpts, layout, out):
     import hf_rtp
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import AutoModelForCausalLM
 
-    rank = int(os.environ["RANK"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    extra = {}
+    if layout == "2x2-mesh":  # 2 replicas of 2-rank rings, laid out so that the writer (ring rank 0 of replica 0) is rank 1
+        dist.init_process_group("gloo")
+        extra["device_mesh"] = DeviceMesh("cpu", [[1, 0], [3, 2]], mesh_dim_names=("dp", "rtp"))
     results = []
     for case, (tied, new, pad, mean_resizing) in enumerate(CASES):
         ckpt = ckpts[tied]
         vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
         torch.manual_seed(case)
         vanilla.resize_token_embeddings(new, pad_to_multiple_of=pad, mean_resizing=mean_resizing)
-        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64)
-        torch.manual_seed(case)  # rank 0 draws the new rows, as vanilla did
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, **extra)
+        torch.manual_seed(case)  # the writer draws the new rows, as vanilla did
         returned = model.resize_token_embeddings(new, pad_to_multiple_of=pad, mean_resizing=mean_resizing)
         size = vanilla.config.vocab_size
         assert returned is model.get_input_embeddings() and returned.num_embeddings == size == model.config.vocab_size
@@ -60,10 +66,10 @@ def _resize_train_save(ckpts, world, out):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_resize_equals_vanilla_and_trains_saves_and_reloads(tmp_path, world):
+@pytest.mark.parametrize("layout", ["2", "2x2-mesh"])
+def test_resize_equals_vanilla_and_trains_saves_and_reloads(tmp_path, layout):
     ckpts = {tied: make_tiny("llama", tmp_path / f"ckpt-{tied}", tied=tied) for tied in (False, True)}
-    per_rank = run_on_ranks(_resize_train_save, world, ckpts, world, str(tmp_path / "out"))
+    per_rank = run_on_ranks(_resize_train_save, 4 if "x" in layout else 2, ckpts, layout, str(tmp_path / "out"))
     for (tied, new, pad, _), results in zip(CASES, zip(*per_rank)):
         for size, same, grads, saved, reloaded_size in results:
             assert size == (new if pad is None else -(-new // pad) * pad) and reloaded_size == size
