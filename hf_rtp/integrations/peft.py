@@ -22,6 +22,10 @@ forward (`index_copy`, then `F.embedding` / `F.linear`). The stand-ins for its `
 rotated layer and then write the trainable rows' lookups (or logits) over its output: the same values,
 with no whole copy.
 
+Merging DoRA or trainable tokens into a rotated layer (`merge_and_unload`) is refused: PEFT merges with
+whole-matrix arithmetic on the rotated weight, which gave wrong weights without an error. Plain LoRA and
+`modules_to_save` merge correctly and are left alone.
+
 Outside the tested versions nothing is replaced, and a warning says so: PEFT's own rule then sizes
 adapters on rotated layers, and a wrong size fails at the first forward (a shape mismatch), never silently.
 """
@@ -78,6 +82,7 @@ def make_peft_use_global_features() -> None:
             module._get_in_out_features = get_in_out_features
     _stand_in_for_dora_norm()
     _stand_in_for_trainable_tokens()
+    _refuse_merges_peft_gets_wrong()
 
 
 def _stand_in_for_dora_norm() -> None:
@@ -169,3 +174,37 @@ def _stand_in_for_trainable_tokens() -> None:
     for stand_in, name in ((update_layer, "update_layer"), (forward_adapters, "forward_adapters")):
         setattr(stand_in, _MARK, f"peft.tuners.trainable_tokens.layer.TrainableTokensLayer.{name}")
         setattr(TrainableTokensLayer, name, stand_in)
+
+
+_MERGE_REFUSED = (
+    "merging {what} into a rotated layer is not supported: PEFT merges with whole-matrix arithmetic that a rotated "
+    "weight does not hold. Save the adapter (Trainer.save_model, or hf_rtp.adapter_state_dict(model) on every rank "
+    "and model.save_pretrained(dir, state_dict=...) on the main process), then merge it in vanilla: "
+    "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), dir).merge_and_unload()"
+)
+
+
+def _refuse_merges_peft_gets_wrong() -> None:
+    from peft.tuners.lora.layer import Linear
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    lora_merge, tokens_merge = Linear.merge, TrainableTokensLayer.merge
+    if getattr(lora_merge, _MARK, None) is not None:
+        return
+
+    @functools.wraps(lora_merge)
+    def merge(self, safe_merge=False, adapter_names=None):
+        variants = [a for a in (adapter_names or self.active_adapters) if a in self.lora_variant]
+        if variants and isinstance(self.get_base_layer().weight, RotatedTensor):
+            raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(self.lora_variant[variants[0]]).__name__} adapters"))
+        return lora_merge(self, safe_merge, adapter_names)
+
+    @functools.wraps(tokens_merge)
+    def merge_tokens(self, safe_merge=False, adapter_names=None):
+        if isinstance(self.base_layer.weight, RotatedTensor):
+            raise RotatedStateError(_MERGE_REFUSED.format(what="trainable tokens"))
+        return tokens_merge(self, safe_merge, adapter_names)
+
+    setattr(merge, _MARK, "peft.tuners.lora.layer.Linear.merge")
+    setattr(merge_tokens, _MARK, "peft.tuners.trainable_tokens.layer.TrainableTokensLayer.merge")
+    Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens
