@@ -101,11 +101,10 @@ def _stand_in_for_dora_norm() -> None:
     DoraLinearLayer.get_weight_norm = get_weight_norm
 
 
-
 def adapter_state_dict(model) -> dict | None:
     """Collective. The state dict PEFT's `save_pretrained` takes (`state_dict=`), with the rotated tensors it
-    would write (the trainable copies `modules_to_save` makes of a rotated embedding or head, an embedding
-    saved beside adapters after a resize) gathered whole, in one order on every rank; None when it would write
+    would write (the trainable copies `modules_to_save` makes of a rotated embedding or head, or any other
+    rotated tensor PEFT selects) gathered whole, in one order on every rank; None when it would write
     no rotated tensor, so PEFT's own save is right as it is. Pass it to `model.save_pretrained(dir,
     state_dict=...)` on the main process."""
     from peft.utils import get_peft_model_state_dict
