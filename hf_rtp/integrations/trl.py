@@ -26,12 +26,13 @@ import inspect
 import sys
 import types
 
+import torch
 from packaging.version import Version
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .. import log
 from ..errors import IntegrationError
+from ..layers.common import local
 from ..model.fused_head import read_head, token_losses
 from ..model.state import is_rotated, state_of
 
@@ -90,7 +91,8 @@ def create_model_from_path(model_id, architecture=None, *, original, **kwargs):
 
 def _bytes_here(model: nn.Module) -> int:
     """Bytes of weights this rank holds: its chunk of rotated parameters, all of the others."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+    with torch.no_grad():
+        return sum(local(p).nbytes for p in model.parameters())
 
 
 def _warn_whole_reward_models(trainer) -> None:
