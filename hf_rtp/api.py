@@ -58,6 +58,7 @@ def from_pretrained(
     fused_loss: bool = True,
     verify_weights: str = "auto",
     auto_class=None,
+    reduce_dtype: str | torch.dtype | None = None,
     **config_kwargs,
 ) -> PreTrainedModel:
     """Load a checkpoint with its weights rotated across all ranks. Every rank calls it.
@@ -99,9 +100,14 @@ def from_pretrained(
             AutoModelForImageTextToText (Qwen2-VL, Qwen2.5-VL: the language model rotated, the vision tower whole);
             or call hf_rtp.AutoModelFor....from_pretrained. A head the checkpoint lacks (a reward model made
             from a causal LM) is initialised as vanilla initialises it, on rank 0, and sent to every rank.
+        reduce_dtype: the dtype rotated gradients travel the ring and are summed in, as FSDP2's
+            MixedPrecisionPolicy(reduce_dtype=...); default None, the parameter's dtype (float32 master
+            weights keep float32 sums). `.grad` and the optimizer keep the parameter's dtype either way.
+            Weights need no setting: under autocast they travel in its dtype (bf16 over float32
+            weights sends half the bytes, with the same matmul inputs as casting at each matmul).
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
     """
-    settings = Settings.resolve(device, timeout, rotation_piece_size, verify_weights, fused_loss)
+    settings = Settings.resolve(device, timeout, rotation_piece_size, verify_weights, fused_loss, reduce_dtype)
     topology = setup(settings, device_mesh, rtp_size)
     with agreed(topology.control, TopologyError):
         faults.check()  # a misspelt fault point is an error, not a test that injects nothing
@@ -121,7 +127,8 @@ def from_pretrained(
     config.dtype = dtype  # as vanilla records it
     # before any other collective: ranks holding other files would otherwise meet in different ones
     agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=settings.piece_bytes,
-                      dtype=dtype, verify=settings.verify_weights, model_class=auto_class.__name__), topology.control)
+                      dtype=dtype, verify=settings.verify_weights, model_class=auto_class.__name__,
+                      reduce_dtype=settings.reduce_dtype), topology.control)
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = auto_class.from_config(config, dtype=dtype)
@@ -149,7 +156,7 @@ def from_pretrained(
     load_like = functools.partial(
         from_pretrained, device=settings.device, device_mesh=device_mesh, rtp_size=topology.rtp_size, plan=plan,
         timeout=settings.timeout, rotation_piece_size=settings.piece_bytes, fused_loss=settings.fused_loss,
-        verify_weights=settings.verify_weights)
+        verify_weights=settings.verify_weights, reduce_dtype=settings.reduce_dtype)
     bind(model, RTPState(topology, plan, resolution, sources, load_like))
     if is_causal_lm(model):
         install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)

@@ -40,6 +40,8 @@ class Settings:
     verify_weights: str
     """how ranks prove they read one checkpoint's bytes ("auto" or "full")"""
     fused_loss: bool
+    reduce_dtype: torch.dtype | None = None
+    """what rotated gradients travel and are summed in (None: the parameter's dtype)"""
 
     @classmethod
     def resolve(
@@ -49,9 +51,14 @@ class Settings:
         rotation_piece_size: int | str = DEFAULT_PIECE_SIZE,
         verify_weights: str = "auto",
         fused_loss: bool = True,
+        reduce_dtype: str | torch.dtype | None = None,
     ) -> "Settings":
         if verify_weights not in VERIFY_MODES:
             raise ValueError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
+        if isinstance(reduce_dtype, str):
+            reduce_dtype = getattr(torch, reduce_dtype, reduce_dtype)
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be None or a floating torch dtype such as torch.float32, got {reduce_dtype!r}")
         return cls(
             device=resolve_device(device),
             timeout=collective_timeout(timeout),
@@ -59,6 +66,7 @@ class Settings:
             piece_bytes=parse_size(rotation_piece_size, "rotation_piece_size"),
             verify_weights=verify_weights,
             fused_loss=bool(fused_loss),
+            reduce_dtype=reduce_dtype,
         )
 
 

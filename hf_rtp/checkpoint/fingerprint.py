@@ -50,7 +50,7 @@ def _headers(paths: list[str]) -> str:
 
 
 def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_bytes, dtype, verify,
-                model_class: str = "AutoModelForCausalLM") -> dict[str, str]:
+                model_class: str = "AutoModelForCausalLM", reduce_dtype=None) -> dict[str, str]:
     """`plan` as given to from_pretrained: a Plan (its rules count) or a name ("auto", a model_type)."""
     import transformers
 
@@ -73,6 +73,7 @@ def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_
         "dtype": str(dtype),
         "verify_weights": verify,
         "model class": model_class,
+        "reduce_dtype": str(reduce_dtype or dtype),  # gradients of another size on the wire would be read as garbage
     }
 
 

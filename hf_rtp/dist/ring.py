@@ -14,6 +14,13 @@ walk per piece (rows cut again by the torch.chunk rule). The pool is then sized 
 piece rather than the largest chunk. That matters because the largest chunks are the embedding
 and the LM head: at 2 ranks their slots alone would cost a 90M Llama about 15% of its per-rank
 memory, for transfers that are no faster whole than in 16 MB pieces.
+
+Weights travel in the dtype their matmuls run in (`dtype`: autocast's bf16 over float32 weights),
+each rank casting its own piece once per walk, so the wire and the weight slots carry half the
+bytes; the cast commutes with the transfer, so every matmul sees the values it saw before. Pieces
+are still cut by the parameter's dtype, so the rows per piece do not change with autocast.
+Gradient accumulators travel in `reduce_dtype` (the parameter's dtype unless from_pretrained's
+reduce_dtype says otherwise) and come home cast to the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import faults
-from ..errors import CollectiveMisuseError
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
+from .pending import Pending
+from .replicas import ReplicaSum
 from .sharding import ChunkLayout
 
 Bundle = Sequence[torch.Tensor]
@@ -37,57 +44,54 @@ DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotati
 Rows = tuple[int, int]
 
 
+def _matmul_itemsize(like: torch.Tensor) -> int:
+    """Bytes per element the largest planned piece will travel in: the autocast dtype's when autocast is
+    on (an embedding's float32 lookup, which walks first, must not size the slot for float32 matmuls)."""
+    size, device = like.element_size(), like.device.type
+    if like.is_floating_point() and torch.is_autocast_enabled(device):
+        size = min(size, torch.get_autocast_dtype(device).itemsize)
+    return size
+
+
 class BufferPool:
-    """Flat buffers keyed by (role, slot, dtype, device); chunks are views carved from them."""
+    """Flat byte buffers keyed by (role, slot, device); chunks are views carved from them in the dtype
+    they travel in, so a float32 walk (an embedding's lookup) and a bf16 one (autocast's matmuls)
+    share one slot instead of holding two."""
 
     def __init__(self):
         self._flat: dict[tuple, torch.Tensor] = {}
-        self._planned: dict[tuple, int] = {}
+        self._planned: dict[torch.device, int] = {}
         self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
 
     def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
-        need = sum(math.prod(s) for s in shapes)
-        key = (role, slot, like.dtype, like.device)
+        size = like.element_size()
+        need = sum(math.prod(s) for s in shapes) * size
+        key = (role, slot, like.device)
         flat = self._flat.get(key)
         if flat is None or flat.numel() < need:
             flat = None  # free the smaller buffer before allocating the larger one
-            size = max(need, self._planned.get((like.dtype, like.device), 0))
-            flat = torch.empty(size, dtype=like.dtype, device=like.device)
+            planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
+            flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
         views, offset = [], 0
         for shape in shapes:
-            n = math.prod(shape)
-            views.append(flat[offset : offset + n].view(shape))
+            n = math.prod(shape) * size  # offsets stay multiples of the element size: every view is aligned
+            views.append(flat[offset : offset + n].view(like.dtype).view(shape))
             offset += n
         return views
 
     def plan(self, numel: int, like: torch.Tensor) -> None:
-        """Size every slot for the largest piece up front, so none is regrown mid-step.
+        """Size every slot for the largest piece up front (in elements: a slot first used by a bf16
+        walk takes half the bytes of a float32 one), so none is regrown mid-step.
 
         Slots are still allocated on first use: gradient slots only once training starts.
         """
-        key = (like.dtype, like.device)
-        self._planned[key] = max(self._planned.get(key, 0), numel)
+        self._planned[like.device] = max(self._planned.get(like.device, 0), numel)
 
     def buffers(self, role: str) -> list[torch.Tensor]:
+        """The role's flat slots, as bytes."""
         return [t for (r, *_), t in self._flat.items() if r == role]
-
-
-class _Pending:
-    def __init__(self, works, what: str = "waited for its ring neighbour"):
-        self._works, self._what = works, what
-
-    def wait(self) -> None:
-        try:
-            for work in self._works:
-                work.wait()
-        except RuntimeError as err:  # gloo/NCCL say "timed out" or "connection closed", never why
-            raise CollectiveMisuseError(
-                f"a rotated layer {self._what} past hf_rtp's timeout (HF_RTP_TIMEOUT) or lost a rank: "
-                "some rank stopped, crashed, or skipped a forward or backward that every rank must run "
-                f"({type(err).__name__}: {err})"
-            ) from err
 
 
 class Ring:
@@ -99,6 +103,7 @@ class Ring:
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         replicas: dist.ProcessGroup | None = None,
         replica_count: int = 1,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.group = group
         self.piece_bytes = piece_bytes
@@ -106,6 +111,10 @@ class Ring:
         self.replicas = replicas
         """on a 2-D grid, this ring's rank in every other replica: the same chunk, other data"""
         self.replica_count = replica_count
+        self.replica_sum = ReplicaSum(replicas, replica_count) if replicas is not None else None
+        """sums rotated gradients over the replicas, after autograd accumulates them (see dist.replicas)"""
+        self.reduce_dtype = reduce_dtype
+        """the dtype gradient accumulators travel and are summed in (None: the parameter's)"""
         if group is None:
             self.rank, self.size = 0, 1
             self._next = self._prev = 0
@@ -118,14 +127,15 @@ class Ring:
             # gloo's batched path has been seen to hang, so it uses plain isend/irecv.
             self._batched = dist.get_backend(group) == "nccl"
         self.pool = BufferPool()
-        # Bytes this rank sent to its neighbour and all-reduced over its replicas: what hf_rtp/tools/cost.py models
-        self.sent_bytes = self.reduced_bytes = 0
+        # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
+        # what hf_rtp/tools/cost.py models
+        self.sent_bytes = 0
 
     def __deepcopy__(self, memo):
         # process groups and buffers, not data: a copied rotated layer (PEFT's modules_to_save) walks this ring
         return self
 
-    def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> _Pending:
+    def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
         sends = [(t, tag + i) for i, t in enumerate(send) if t.numel()]
@@ -134,10 +144,10 @@ class Ring:
         if self._batched:
             ops = [dist.P2POp(dist.isend, t.contiguous(), self._next, self.group, k) for t, k in sends]
             ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, k) for t, k in recvs]
-            return _Pending(dist.batch_isend_irecv(ops) if ops else [])
+            return Pending(dist.batch_isend_irecv(ops) if ops else [])
         works = [dist.isend(t.contiguous(), self._next, group=self.group, tag=k) for t, k in sends]
         works += [dist.irecv(t, self._prev, group=self.group, tag=k) for t, k in recvs]
-        return _Pending(works)
+        return Pending(works)
 
     def pieces(self, layout: ChunkLayout, like: torch.Tensor) -> int:
         """How many pieces each chunk of `layout` walks the ring in (1 on a ring of one)."""
@@ -152,18 +162,35 @@ class Ring:
         first = layout.bounds(self.rank)[0]
         return [t[rows[0] - first : rows[1] - first] for t in own]  # dim-0 views: contiguous, no copy
 
-    def forward_walk(self, own: Bundle, layout: ChunkLayout, compute: Callable[[Rows, Bundle], None]) -> None:
+    def travel_dtype(self, own: Bundle, dtype: torch.dtype | None) -> torch.dtype:
+        """What weights travel in: `dtype` (the matmuls') where it is a narrower float than the
+        parameter's, so a cast at the matmul would have made the same values; else the parameter's."""
+        like = own[0]
+        if (dtype is None or self.size == 1 or not like.is_floating_point() or not dtype.is_floating_point
+                or torch.finfo(dtype).bits >= torch.finfo(like.dtype).bits):
+            return like.dtype
+        return dtype
+
+    def _held(self, own: Bundle, layout: ChunkLayout, rows: Rows, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's piece in the travel dtype: a cast copy of one piece at most, made once per walk."""
+        return [t.to(dtype) if t.is_floating_point() else t for t in self._own_piece(own, layout, rows)]
+
+    def forward_walk(self, own: Bundle, layout: ChunkLayout, compute: Callable[[Rows, Bundle], None],
+                     dtype: torch.dtype | None = None) -> None:
         """Call `compute(rows, piece)` for every piece of every chunk, own chunk first, while the next
-        piece is in flight. `rows` are the piece's global rows [start, end)."""
+        piece is in flight. `rows` are the piece's global rows [start, end). `dtype`: what the
+        matmuls run in (travel_dtype)."""
         pieces = self.pieces(layout, own[0])
+        travel = self.travel_dtype(own, dtype)
+        like = own[0].new_empty(0, dtype=travel)
         for p in range(pieces):
             index = self.rank
-            held = self._own_piece(own, layout, layout.piece(index, p, pieces))
+            held = self._held(own, layout, layout.piece(index, p, pieces), travel)
             for step in range(self.size):
                 last = step == self.size - 1
                 if not last:
                     following = (index - 1) % self.size
-                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), own[0])
+                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), like)
                     pending = self._exchange(held, incoming, _WEIGHT_TAG)
                 compute(layout.piece(index, p, pieces), held)
                 if not last:
@@ -176,6 +203,7 @@ class Ring:
         layout: ChunkLayout,
         accumulate: Callable[[Rows, Bundle | None, Bundle], None] | None,
         input_grad: Callable[[Rows, Bundle], None] | None,
+        dtype: torch.dtype | None = None,
     ) -> list[torch.Tensor] | None:
         """Walk the ring again for backward; return this rank's summed weight gradients.
 
@@ -183,14 +211,12 @@ class Ring:
         keeps its share of its own piece at home; the others' shares of a piece go into an
         accumulator that starts at the next rank and travels with the piece, arriving home after
         N-1 hops (as many as the weights make) holding their sum, so a flat ring needs no
-        all-reduce. On a 2-D grid each piece that comes home is then summed over the replicas (an
-        all-reduce of this rank's rows only), started at once so it runs while the next piece
-        walks; the sum over every rank is returned. (The last piece's is waited for here: what
-        returns becomes `.grad`, which autograd may add to at once.)
+        all-reduce; the sum over this ring's ranks is returned. (On a 2-D grid the sum over the
+        replicas follows: layers.common.finish_weight_grads, through ReplicaSum.)
 
         Weights rotate only when `input_grad` is given (an embedding needs none; `piece` is then
         None); `input_grad(rows, piece)` runs while the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
-        gradients at all.
+        gradients at all. Weights travel in `dtype` (travel_dtype), accumulators in `reduce_dtype`.
         """
         like = own[0]
         if self.size == 1:
@@ -202,13 +228,14 @@ class Ring:
                 input_grad(layout.bounds(0), own)
             return acc
         pieces = self.pieces(layout, like)
+        travel = like.new_empty(0, dtype=self.travel_dtype(own, dtype))
+        reduced = like.new_empty(0, dtype=self.reduce_dtype or like.dtype)
         # This rank's complete gradient is gathered in fresh memory, not in the shared pool: it
         # becomes `.grad`.
-        home = [like.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
-        summing = []
+        home = [reduced.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
         for p in range(pieces):
             index = self.rank
-            held = self._own_piece(own, layout, layout.piece(index, p, pieces))
+            held = self._held(own, layout, layout.piece(index, p, pieces), travel.dtype) if input_grad is not None else None
             acc = None
             for step in range(self.size):
                 last = step == self.size - 1
@@ -216,7 +243,7 @@ class Ring:
                 rows, next_rows = layout.piece(index, p, pieces), layout.piece(following, p, pieces)
                 weights_pending = grads_pending = None
                 if input_grad is not None and not last:
-                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), like)
+                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), travel)
                     weights_pending = self._exchange(held, incoming, _WEIGHT_TAG)
                 if accumulate is not None:
                     piece = held if input_grad is not None else None
@@ -227,11 +254,11 @@ class Ring:
                         accumulate(rows, piece, mine)
                     else:  # the others' shares travel: started at the next rank, home in N-1 hops
                         if step == 1:
-                            acc = self.pool.take("grads", 1, layout.shapes_of(rows), like)
+                            acc = self.pool.take("grads", 1, layout.shapes_of(rows), reduced)
                             for a in acc:
                                 a.zero_()
                         accumulate(rows, piece, acc)
-                        landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), like)
+                        landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), reduced)
                         # Sent while input_grad below runs: the transfer hides behind that matmul.
                         grads_pending = self._exchange(acc, landing, _GRAD_TAG)
                 if input_grad is not None:
@@ -246,17 +273,9 @@ class Ring:
                         mine = self._own_piece(home, layout, next_rows)
                         for m, arrived in zip(mine, landing):
                             m.add_(arrived)
-                        if self.replicas is not None:
-                            faults.point("replicas.reduce")
-                            summing += [dist.all_reduce(t, group=self.replicas, async_op=True) for t in mine if t.numel()]
-                            self.reduced_bytes += sum(t.numel() * t.element_size() for t in mine)
                 index = following
-        _Pending(summing, "waited for the other replicas' gradients").wait()
-        return home
+        return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
 
-    def mean(self, summed: torch.Tensor) -> torch.Tensor:
-        """DDP's mean, in place, from a gradient summed over every rank (backward_walk's)."""
-        return summed.div_(self.size * self.replica_count)
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.
@@ -277,7 +296,7 @@ class Ring:
             first = layout.bounds(self.rank)[0]
             for lo, hi in pieces(self.rank):
                 piece = own[lo - first : hi - first].contiguous()
-                _Pending([dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG)]).wait()
+                Pending([dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG)]).wait()
             return
 
         for lo, hi in pieces(0):
@@ -292,7 +311,7 @@ class Ring:
         incoming = receive(0) if foreign else None
         for k in range(len(foreign)):
             buffer, work = incoming
-            _Pending([work]).wait()
+            Pending([work]).wait()
             if k + 1 < len(foreign):
                 incoming = receive(k + 1)  # into the other slot, while the caller writes this one
             yield buffer

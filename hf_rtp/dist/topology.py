@@ -111,7 +111,7 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     dp_rank, row = next((i, row) for i, row in enumerate(rows) if rank in row)
     column = columns[row.index(rank)]
     replicas, replica_count = replica_groups.get(column), len(column)
-    ring = Ring(ring_groups.get(row), settings.piece_bytes, replicas, replica_count)
+    ring = Ring(ring_groups.get(row), settings.piece_bytes, replicas, replica_count, settings.reduce_dtype)
     mesh = None
     if len(row) > 1:
         mesh = RotationMesh.of(mesh_groups[row], device.type, replicas, replica_count, ring_entries[row],

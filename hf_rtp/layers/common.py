@@ -49,16 +49,26 @@ def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Te
     return [weight] if bias is None else [weight, bias]
 
 
-def finish_weight_grads(ctx, landed, ring, positions=(1, 2)) -> list[torch.Tensor | None]:
-    """Turn the summed accumulators that came home into DDP's mean (Ring.mean), one per rotated input.
+def finish_weight_grads(ctx, landed, ring, inputs, positions=(1, 2)) -> list[torch.Tensor | None]:
+    """Turn the summed accumulators that came home into DDP's mean, one per rotated input.
 
-    `positions` are the Function inputs the accumulators belong to (weight 1 and bias 2 for most
-    ops); a grad is None where that input wants none (frozen, absent).
+    `inputs` are the rotated chunks the accumulators belong to and `positions` their places among the
+    Function's inputs (weight 1 and bias 2 for most ops); a grad is None where that input wants none
+    (frozen, absent). On a 2-D grid the sum over the replicas follows the ring's: after autograd
+    accumulates `.grad` where it will (dist.replicas, overlapped with earlier layers' backward),
+    else here, at once.
     """
-    return [
-        ring.mean(landed[i]) if landed is not None and i < len(landed) and ctx.needs_input_grad[p] else None
-        for i, p in enumerate(positions)
-    ]
+    grads = []
+    for i, p in enumerate(positions):
+        if landed is None or i >= len(landed) or not ctx.needs_input_grad[p]:
+            grads.append(None)
+            continue
+        grad, replicas = landed[i], ring.replica_sum
+        if replicas is not None and not replicas.deferred(inputs[i]):
+            replicas.now(grad)
+            grad.div_(replicas.count)
+        grads.append(grad.div_(ring.size))
+    return grads
 
 
 def source_text(function) -> str | None:

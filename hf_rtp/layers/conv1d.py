@@ -26,7 +26,7 @@ class _RotatedConv1DFn(torch.autograd.Function):
             out.addmm_(x2[:, start:end], chunk[0].to(out.dtype))
 
         with torch.autocast(x.device.type, enabled=False):
-            ring.forward_walk([weight], layout, compute)
+            ring.forward_walk([weight], layout, compute, dtype=x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.ring, ctx.layout = ring, layout
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -52,8 +52,9 @@ class _RotatedConv1DFn(torch.autograd.Function):
             layout,
             accumulate if ctx.needs_input_grad[1] else None,
             input_grad if grad_x is not None else None,
+            dtype=x.dtype,
         )
-        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring)
+        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring, (weight,))
         return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, None, None
 
 

@@ -56,7 +56,7 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
         landed = None
         if ctx.needs_input_grad[1]:
             landed = ctx.ring.backward_walk([weight], layout, accumulate, None)
-        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring)
+        grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring, (weight,))
         return None, grad_weight, None, None, None
 
 

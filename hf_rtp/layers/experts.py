@@ -79,7 +79,7 @@ class _RotatedExpertsFn(torch.autograd.Function):
                 out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
 
         with torch.autocast(hidden.device.type, enabled=False):
-            experts.ring.forward_walk(list(weights), experts.layout, compute)
+            experts.ring.forward_walk(list(weights), experts.layout, compute, dtype=dtype)
         ctx.save_for_backward(hidden, top_k_weights, gu_all, h_all, y_all, *weights)
         ctx.routes, ctx.experts = routes, experts
         return out
@@ -130,8 +130,9 @@ class _RotatedExpertsFn(torch.autograd.Function):
             experts.layout,
             expert_grads if wants_weight_grads else None,
             input_grad,  # always: both the weight and the input grads need the held weights
+            dtype=gu_all.dtype,
         )
-        grads = finish_weight_grads(ctx, landed, experts.ring, positions=range(5, 5 + len(weights)))
+        grads = finish_weight_grads(ctx, landed, experts.ring, weights, positions=range(5, 5 + len(weights)))
         return grad_hidden, None, grad_weights, None, None, *grads
 
 

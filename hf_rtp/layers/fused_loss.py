@@ -140,7 +140,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
 
         bundle = [weight] if bias is None else [weight, bias]
         with torch.autocast(device.type, enabled=False):
-            ring.forward_walk(bundle, layout, compute)
+            ring.forward_walk(bundle, layout, compute, dtype=h.dtype)
         entropy = best + sum_e.log() - sum_ez / sum_e if stats else None
         top1 = best_at == targets if stats else None
         ctx.save_for_backward(h, weight, bias, targets, lse, entropy)
@@ -187,8 +187,9 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                 layout,
                 through_piece if wants_weight_grad else None,
                 (lambda rows, piece: None) if wants_weight_grad else (lambda rows, piece: through_piece(rows, piece, None)),
+                dtype=h.dtype,
             )
-        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring)
+        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
         return grad_h, grad_weight, grad_bias, None, None, None, None, None
 
 

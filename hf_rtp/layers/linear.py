@@ -29,7 +29,7 @@ class _RotatedLinearFn(torch.autograd.Function):
             out[..., start:end] = F.linear(x, *(t.to(x.dtype) for t in chunk))
 
         with torch.autocast(x.device.type, enabled=False):
-            ring.forward_walk(own_bundle(weight, bias), layout, compute)
+            ring.forward_walk(own_bundle(weight, bias), layout, compute, dtype=x.dtype)
         # Only the input is kept for backward; the weights are fetched again by the backward walk.
         ctx.save_for_backward(x, weight, bias)
         ctx.ring, ctx.layout = ring, layout
@@ -60,8 +60,9 @@ class _RotatedLinearFn(torch.autograd.Function):
             layout,
             accumulate if wants_weight_grad else None,
             input_grad if grad_x is not None else None,
+            dtype=x.dtype,
         )
-        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring)
+        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
         return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None
 
 

@@ -79,7 +79,7 @@ def _count_live_chunks(ckpt, out, piece_size):
     # Spy on what each rotated op's compute step receives: which foreign chunks it ever holds.
     foreign_per_op, walk = [], ring.forward_walk
 
-    def spying_walk(own, layout, compute):
+    def spying_walk(own, layout, compute, **kwargs):
         storages = set()
 
         def record(rows, chunk):
@@ -88,7 +88,7 @@ def _count_live_chunks(ckpt, out, piece_size):
                 storages.add(storage)
             compute(rows, chunk)
 
-        walk(own, layout, record)
+        walk(own, layout, record, **kwargs)
         foreign_per_op.append(storages)
 
     ring.forward_walk = spying_walk
@@ -106,8 +106,8 @@ def _count_live_chunks(ckpt, out, piece_size):
     weight_buffers = ring.pool.buffers("weights")
     pool = {b.untyped_storage().data_ptr() for b in weight_buffers}
     layouts = [m.layout for m in model.modules() if hasattr(m, "layout")]
-    largest = max(layout.max_piece_numel(ring.pieces(layout, weight_buffers[0])) for layout in layouts)
-    assert len(weight_buffers) == 2 and all(b.numel() == largest for b in weight_buffers)
+    largest = max(layout.max_piece_numel(ring.pieces(layout, model.lm_head.weight)) for layout in layouts)
+    assert len(weight_buffers) == 2 and all(b.nbytes == largest * 4 for b in weight_buffers)  # float32 slots
     if piece_size != "16MB":  # slots hold a piece, far less than the largest chunk (the embedding's)
         assert largest * 4 <= ring.piece_bytes < 4 * max(layout.max_numel() for layout in layouts)
     assert ring.pool.allocations == 4  # two weight and two gradient slots, sized once, never regrown

@@ -158,10 +158,10 @@ def _count_bytes(ckpt):
 
     model = hf_rtp.from_pretrained(ckpt, rtp_size=2).train()
     ring = hf_rtp.state_of(model).topology.ring
-    ring.sent_bytes = ring.reduced_bytes = 0
+    ring.sent_bytes = ring.replica_sum.reduced_bytes = 0
     batch = global_batch(4)[int(os.environ["RANK"])]
     model(input_ids=batch, labels=batch).loss.backward()  # the fused loss: the head walks forward and back
-    return ring.sent_bytes, ring.reduced_bytes
+    return ring.sent_bytes, ring.replica_sum.reduced_bytes
 
 
 def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tmp_path):
@@ -182,3 +182,42 @@ def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tm
     for ring in ([0, 1], [2, 3]):
         assert sum(counted[r][0] for r in ring) == expected_ring
         assert sum(counted[r][1] for r in ring) == sum(nbytes.values())  # each chunk once, per replica
+
+
+def _accumulate_two_micro_batches(ckpt):
+    import hf_rtp
+    from support.compare import backward_both, rows
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model, ref, topology = _load(ckpt, "rtp_size=2")
+    model.train(), ref.train()
+    replicas = topology.ring.replica_sum
+    seen = []
+    # when autograd reaches the embedding (the last layer backward visits), every later layer's sum
+    # over the replicas has started and none has been waited for: they overlap the backward
+    def count_at_embedding(module, args, out):
+        out.register_hook(lambda grad: seen.append(replicas.in_flight))
+
+    model.model.embed_tokens.register_forward_hook(count_at_embedding)
+    for micro in range(2):  # gradient accumulation: the second backward adds to summed .grad
+        backward_both(model, ref, global_batch(world, seed=micro), rank)
+        assert replicas.in_flight == 0  # all waited for before backward() returned
+    assert seen[0] > 0 and seen[0] == seen[1], seen
+    assert_matches(model, ref, topology.rtp_size, topology.rtp_rank, "grad")
+
+    # torch.autograd.grad accumulates nothing, so the sum runs inside the layer's backward instead
+    batch = global_batch(world, seed=2)[rank]
+    head = model.lm_head.weight
+    (mine,) = torch.autograd.grad(model(input_ids=batch).logits.sum() * (rank + 1), [head])
+    ref_head = ref.lm_head.weight
+    (theirs,) = torch.autograd.grad(sum(ref(input_ids=b).logits.sum() * (r + 1)
+                                        for r, b in enumerate(global_batch(world, seed=2))) / world, [ref_head])
+    torch.testing.assert_close(mine.to_local(), theirs[rows(head, topology.rtp_size, topology.rtp_rank)])
+    return seen[0]
+
+
+def test_replica_sums_overlap_earlier_layers_and_are_complete_when_backward_returns(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    in_flight = run_on_ranks(_accumulate_two_micro_batches, 4, ckpt)
+    # the head and both decoder layers' projections (7 each) had started, all but the embedding
+    assert all(n >= 15 for n in in_flight), in_flight

@@ -1,0 +1,23 @@
+"""Waiting on point-to-point and collective work with an error that says what was waited for."""
+
+from __future__ import annotations
+
+from ..errors import CollectiveMisuseError
+
+
+class Pending:
+    """Communication in flight; `wait` names a failure as CollectiveMisuseError instead of gloo/NCCL's words."""
+
+    def __init__(self, works, what: str = "waited for its ring neighbour"):
+        self._works, self._what = works, what
+
+    def wait(self) -> None:
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as err:  # gloo/NCCL say "timed out" or "connection closed", never why
+            raise CollectiveMisuseError(
+                f"a rotated layer {self._what} past hf_rtp's timeout (HF_RTP_TIMEOUT) or lost a rank: "
+                "some rank stopped, crashed, or skipped a forward or backward that every rank must run "
+                f"({type(err).__name__}: {err})"
+            ) from err
