@@ -2,23 +2,25 @@
 
     python -m hf_rtp.tools.cost      # the README's table: Llama-3-8B and 70B on nodes of 8 GPUs
 
-Per rank and optimizer step, for S bytes of parameters (gradients travel in the same dtype):
+Mixed precision as people train (Trainer(bf16=True): float32 master weights, bf16 autocast): weights
+travel in bf16 (S bytes, 2 per parameter), gradients in float32 (G = 2S, hf_rtp's and FSDP2's
+default reduce_dtype). Per rank and optimizer step:
   RTP, rings of K: every chunk walks its ring in forward and again in backward (K-1 hops of S/K),
-      and the other ranks' gradient for it travels K-1 hops home: 3S(K-1)/K to the ring neighbour,
-      what FSDP2 sends over K ranks. With replicas,
-      each rank's chunk of the gradient is then all-reduced over them: 2(D-1)/D * S/K.
-  FSDP2 over W ranks: two all-gathers and a reduce-scatter of S, S(W-1)/W each. HSDP shards over K
-      and all-reduces each rank's S/K gradient over the D = W/K replicas.
+      and the other ranks' gradient for it travels K-1 hops home: (2S + G)(K-1)/K to the ring
+      neighbour, what FSDP2 with MixedPrecisionPolicy(bf16, float32) sends over K ranks. With
+      replicas, each rank's chunk of the gradient is then all-reduced over them: 2(D-1)/D * G/K.
+  FSDP2 over W ranks: two all-gathers of S and a reduce-scatter of G, each (W-1)/W of it. HSDP shards
+      over K and all-reduces each rank's G/K gradient over the D = W/K replicas.
 Where the bytes go: a ring of K consecutive ranks stays inside a node when K divides the GPUs per node;
 otherwise K/N of its hops cross the network, one NIC per node boundary, and since every hop of a ring
 step waits for the slowest, all of it runs at network speed. NCCL's collectives over several nodes
 run one ring per NIC, so an FSDP2 collective of V bytes puts about V(W-1)/W/N through each GPU's NIC.
 Replicas of one chunk sit on different nodes (one per node when K = N): their all-reduce is inter-node.
-Time is the NVLink transfer plus the network transfer for RTP, whose all-reduce over replicas waits
-for each layer's ring walk to finish (hf_rtp overlaps it only with the walk of a chunk's later
-pieces), and the larger of the two for FSDP2 and HSDP, whose collectives on the two links overlap;
-neither counts what hides behind compute. Memory is model states only (bf16 weights and gradients, float32 master weights
-and AdamW moments: 16 bytes per parameter) plus what a step holds unsharded beyond them.
+Time is the larger of the NVLink and the network transfer, for every strategy: their collectives on
+the two links overlap (RTP's all-reduce over replicas starts once autograd has a layer's gradient and
+runs during earlier layers' backward, dist/replicas.py). It does not count what hides behind compute.
+Memory is model states only (float32 weights and gradients and two AdamW moments: 16 bytes per
+parameter) plus what a step holds unsharded beyond them.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from dataclasses import dataclass
 NVLINK_BYTES_S = 450e9  # per GPU, one direction (H100 SXM)
 NETWORK_BYTES_S = 50e9  # 400 Gb/s per GPU
 STATE_BYTES = 16  # per parameter: bf16 weight and gradient, float32 master weight and two AdamW moments
-TRAVEL_BYTES = 2  # bf16 weights and gradients on the wire
-POOL_BYTES = 4 * 16e6  # RTP's rotation slots: two weight and two gradient pieces of 16 MB
+WEIGHT_BYTES = 2  # per parameter on the wire: bf16 weights (autocast's dtype)
+GRAD_BYTES = 4  # float32 gradients (reduce_dtype)
+# RTP's rotation slots: two weight and two gradient pieces of 16 MB (the embedding's lookup walks
+# float32 rows, so its pieces, not the halved bf16 ones, size the weight slots)
+POOL_BYTES = 4 * 16e6
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class Cost:
     """bytes per GPU: sharded states and what a step holds unsharded"""
     ring_crosses_nodes: bool = False
     links_overlap: bool = True
-    """False for RTP: a layer's all-reduce over replicas starts when its ring walk ends"""
+    """whether the two links' transfers run at once (all strategies here; kept for what-ifs)"""
 
     @property
     def seconds(self) -> float:
@@ -55,27 +60,27 @@ class Cost:
 
 def rtp(params: int, world: int, per_node: int, rtp_size: int | None = None) -> Cost:
     k = world if rtp_size is None else rtp_size
-    replicas, s = world // k, params * TRAVEL_BYTES
-    ring = 3 * s * (k - 1) / k
-    reduce = 2 * (replicas - 1) / replicas * s / k
+    replicas, s, g = world // k, params * WEIGHT_BYTES, params * GRAD_BYTES
+    ring = (2 * s + g) * (k - 1) / k
+    reduce = 2 * (replicas - 1) / replicas * g / k
     crosses = k > per_node or per_node % k != 0
     memory = params * STATE_BYTES / k + POOL_BYTES
     if crosses:
         return Cost(0.0, ring + reduce, memory, ring_crosses_nodes=True)
-    return Cost(ring, reduce, memory, links_overlap=False)
+    return Cost(ring, reduce, memory)
 
 
 def fsdp(params: int, world: int, per_node: int, layer_params: int, shard_size: int | None = None) -> Cost:
     """FSDP2 (shard_size None: over all ranks) or HSDP (shard over shard_size, replicate the rest)."""
     k = world if shard_size is None else shard_size
-    replicas, s = world // k, params * TRAVEL_BYTES
-    gathers = 3 * s * (k - 1) / k
+    replicas, s, g = world // k, params * WEIGHT_BYTES, params * GRAD_BYTES
+    gathers = (2 * s + g) * (k - 1) / k
     nodes_in_shard = math.ceil(k / per_node)
     inter = gathers / per_node if nodes_in_shard > 1 else 0.0  # one NCCL ring per NIC
     intra = gathers if nodes_in_shard == 1 else gathers * (1 - 1 / per_node)
-    inter += 2 * (replicas - 1) / replicas * s / k
+    inter += 2 * (replicas - 1) / replicas * g / k
     # two layers' weights unsharded (the one running, the one prefetched) and one layer's gradient
-    memory = params * STATE_BYTES / k + 3 * layer_params * TRAVEL_BYTES
+    memory = params * STATE_BYTES / k + layer_params * (2 * WEIGHT_BYTES + GRAD_BYTES)
     return Cost(intra, inter, memory)
 
 

@@ -139,8 +139,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int]:
-    """(elements this rank holds, its largest local tensor, pool slot elements) under hf_rtp's plan."""
+def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int, int]:
+    """(elements this rank holds, its largest local tensor, pool slot elements, of which an embedding's
+    lookup needs) under hf_rtp's plan."""
     from .. import plans
     from ..plans.auto import auto_plan
     from ..dist.sharding import ChunkLayout, chunk_rows
@@ -158,11 +159,14 @@ def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: in
         else:
             n = p.numel()
         local, largest = local + n, max(largest, n)
-    piece = 0
-    for shapes in by_module.values():
+    piece = lookup = 0
+    for module, shapes in by_module.items():
         layout = ChunkLayout(tuple(shapes), world_size)
-        piece = max(piece, layout.max_piece_numel(layout.pieces_for(piece_bytes // itemsize)))
-    return local, largest, piece
+        numel = layout.max_piece_numel(layout.pieces_for(piece_bytes // itemsize))
+        piece = max(piece, numel)
+        if isinstance(model.get_submodule(module), nn.Embedding):
+            lookup = max(lookup, numel)
+    return local, largest, piece, lookup
 
 
 def _tp_local(model: nn.Module, world_size: int) -> int:
@@ -181,11 +185,14 @@ def _tp_local(model: nn.Module, world_size: int) -> int:
 
 def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: str | torch.dtype = "float32",
              optimizer: str = "adamw", piece_bytes: int = 16 * 10**6, gradient_checkpointing: bool = False,
-             rtp_size: int | None = None) -> dict[str, float]:
+             rtp_size: int | None = None, autocast: bool = False) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
 
     With `rtp_size` K below the world size, RTP runs as rings of K (a rank holds 1/K of the rotated
-    weights, as on a flat ring of K) and an `hsdp` entry is added: FSDP2 sharding over K ranks."""
+    weights, as on a flat ring of K) and an `hsdp` entry is added: FSDP2 sharding over K ranks.
+    `autocast`: bf16 autocast over `dtype` weights. What travels then is counted in bf16: RTP's weight
+    slots (but an embedding's lookup, float32 as vanilla's), FSDP2's gathered layers (its
+    MixedPrecisionPolicy). Activations are still counted in `dtype`, an overestimate under autocast."""
     dtype = _dtype(dtype)
     size = dtype.itemsize
     k = OPTIMIZER_STATES[optimizer]
@@ -209,8 +216,10 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     ring = n if rtp_size is None else rtp_size
     if ring < 1 or n % ring:
         raise ValueError(f"rtp_size={rtp_size} must divide the world size {n}")
-    rtp_local, rtp_largest, piece = _rtp_local(model, ring, size, piece_bytes)
-    pool = 0 if ring == 1 else (1 if ring == 2 else 2) * piece * size + 2 * piece * size  # weight + gradient slots
+    rtp_local, rtp_largest, piece, lookup = _rtp_local(model, ring, size, piece_bytes)
+    travel = min(size, torch.bfloat16.itemsize) if autocast else size  # what the ring carries (dist/ring.py)
+    weight_slot = max(piece * travel, lookup * size)
+    pool = 0 if ring == 1 else (1 if ring == 2 else 2) * weight_slot + 2 * piece * size  # weight + gradient slots
     tp_local = _tp_local(model, n)
     # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
     # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
@@ -223,8 +232,9 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
         # backward: the root unit (embeddings, head) and a decoder layer unsharded beside the local
         # batch's activations; then either the logits' gradient (at its start) or the root's unsharded
         # gradients (at its end), whichever is larger
+        gathered = travel / size  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16 under autocast
         return max((2 + k) * total / shards + 2 * largest / shards,
-                   (1 + k) * total / shards + root + 2 * layer + saved + max(2 * logits, root)) + RUNTIME_BYTES
+                   (1 + k) * total / shards + (root + 2 * layer) * gathered + saved + max(2 * logits, root)) + RUNTIME_BYTES
 
     result = {
         "single": single,
@@ -264,6 +274,8 @@ def main(argv=None) -> dict[str, float]:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast over --dtype weights: RTP's ring and "
+                   "FSDP2's gathers carry bf16")
     p.add_argument("--attn-implementation", help="as transformers' attn_implementation (default: the config's, "
                    "else sdpa); eager keeps [seq, seq] attention scores for backward, the fused kernels do not")
     args = p.parse_args(argv)
@@ -275,7 +287,8 @@ def main(argv=None) -> dict[str, float]:
     if args.attn_implementation:
         config._attn_implementation = args.attn_implementation
     result = estimate(config, args.world_size, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,
-                      gradient_checkpointing=args.gradient_checkpointing, rtp_size=args.rtp_size)
+                      gradient_checkpointing=args.gradient_checkpointing, rtp_size=args.rtp_size,
+                      autocast=args.autocast)
     states = model_states_bytes(config, args.dtype, args.optimizer)
     print(f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
           f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"

@@ -75,7 +75,7 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
     out = tmp_path / "out"
     budget = 0.1  # GB per rank: the tiny preset's estimates put DDP at 4 sequences of 128, RTP at 8
     cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2", "--strategies",
-           "ddp,rtp", "--budget-gb", str(budget), "--warmup", "1", "--steps", "1", "--output", str(out)]
+           "ddp,rtp", "--budget-gb", str(budget), "--warmup", "1", "--steps", "1", "--autocast", "--output", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["strategy"]: r for r in json.loads((out / "budget.json").read_text())["budget"]}
@@ -84,3 +84,19 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
         assert abs(r["tokens_per_s"] - 2 * r["batch"] * 128 / r["step_s"]) < 1e-6 * r["tokens_per_s"]
     assert rows["rtp"]["batch"] > rows["ddp"]["batch"]  # 1/N of the model states leaves room for more tokens
     assert f"within {budget} GB per rank" in done.stdout
+    assert (out / "budget.png").stat().st_size > 0
+
+
+def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2", "--generate", "1,3",
+           "--new-tokens", "4", "--seq", "8", "--output", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((out / "generate.json").read_text())["decode"]
+    assert sorted((r["strategy"], r["batch"]) for r in rows) == [(s, b) for s in ("ddp", "rtp", "tp") for b in (1, 3)]
+    for r in rows:
+        sequences = r["batch"] * (1 if r["strategy"] == "tp" else 2)  # TP decodes one batch on both ranks
+        assert abs(r["tokens_per_s"] - sequences * 4 / r["seconds"]) < 1e-6 * r["tokens_per_s"]
+        assert r["peak_gb"] > 0
+    assert "N=2 batch 3: rtp/ddp: tokens/s" in done.stdout and (out / "generate.png").stat().st_size > 0

@@ -9,19 +9,20 @@ P = 10**9  # parameters
 
 def test_a_ring_inside_a_node_sends_its_chunks_three_times_over_nvlink_and_reduces_over_the_network():
     flat = cost.rtp(P, world=8, per_node=8)
-    assert flat.intra == pytest.approx(3 * 2 * P * 7 / 8) and flat.inter == 0
+    # bf16 weights walk twice, float32 gradients once
+    assert flat.intra == pytest.approx((2 * 2 + 4) * P * 7 / 8) and flat.inter == 0
     grid = cost.rtp(P, world=32, per_node=8, rtp_size=8)
     assert grid.intra == flat.intra
-    assert grid.inter == pytest.approx(2 * (4 - 1) / 4 * 2 * P / 8)  # ring all-reduce of a 1/8 chunk over 4 replicas
+    assert grid.inter == pytest.approx(2 * (4 - 1) / 4 * 4 * P / 8)  # ring all-reduce of a float32 1/8 chunk over 4 replicas
     assert grid.memory == pytest.approx(P * cost.STATE_BYTES / 8 + cost.POOL_BYTES)
-    # the all-reduce starts when the ring walk ends: the two transfers add up
-    assert grid.seconds == pytest.approx(grid.intra / cost.NVLINK_BYTES_S + grid.inter / cost.NETWORK_BYTES_S)
+    # the all-reduce runs during earlier layers' backward: the two links overlap
+    assert grid.seconds == pytest.approx(max(grid.intra / cost.NVLINK_BYTES_S, grid.inter / cost.NETWORK_BYTES_S))
 
 
 def test_a_ring_across_nodes_runs_at_network_speed():
     across = cost.rtp(P, world=16, per_node=8)
     assert across.ring_crosses_nodes and across.intra == 0
-    assert across.seconds == pytest.approx(3 * 2 * P * 15 / 16 / cost.NETWORK_BYTES_S)
+    assert across.seconds == pytest.approx((2 * 2 + 4) * P * 15 / 16 / cost.NETWORK_BYTES_S)
     assert across.seconds > 5 * cost.rtp(P, world=16, per_node=8, rtp_size=8).seconds
 
 
@@ -33,7 +34,7 @@ def test_hsdp_and_rings_per_node_send_the_same_over_the_network_and_fsdp2_more()
     layer = P // 32
     grid, hsdp, fsdp2 = (cost.rtp(P, 32, 8, 8), cost.fsdp(P, 32, 8, layer, 8), cost.fsdp(P, 32, 8, layer))
     assert grid.inter == pytest.approx(hsdp.inter)
-    assert fsdp2.inter > 1.5 * hsdp.inter
+    assert fsdp2.inter > 1.2 * hsdp.inter  # float32 gradients make the replicas' all-reduce the larger share
     assert fsdp2.memory < hsdp.memory  # but FSDP2 holds a quarter of the states
 
 

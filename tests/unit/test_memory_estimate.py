@@ -66,6 +66,21 @@ def test_smaller_rotation_pieces_need_less_pool(config_only):
     assert whole - pieces == pytest.approx(3 * chunk, rel=0.25)  # three slots at 2 ranks, ~16 MB each now
 
 
+def test_autocast_counts_the_bf16_the_ring_and_fsdp2_carry(config_only):
+    config = memory.load_config(str(config_only))
+    plain, mixed = (memory.estimate(config, 2, autocast=a) for a in (False, True))
+    # 16 MB pieces: the embedding's float32 lookup fills the weight slot as a float32 matmul piece did
+    assert mixed["rtp"] == plain["rtp"]
+    assert mixed["fsdp2"] < plain["fsdp2"]  # bf16 gathers of the root and two decoder layers
+    assert mixed["ddp"] == plain["ddp"]
+    # a small vocabulary and a wide MLP, chunks in one piece: the MLP's chunk sizes the weight slot,
+    # in bf16 under autocast: half its float32 bytes less (one weight slot at 2 ranks)
+    wide = LlamaConfig(**{**PRESETS["llama-tiny"], "vocab_size": 1000, "intermediate_size": 8192})
+    plain, mixed = (memory.estimate(wide, 2, piece_bytes=10**9, autocast=a)["rtp"] for a in (False, True))
+    gate_chunk = 8192 // 2 * wide.hidden_size
+    assert plain - mixed == gate_chunk * 2
+
+
 def test_estimate_rejects_bad_input(config_only):
     with pytest.raises(SystemExit):
         memory.main([str(config_only), "--world-size", "0"])

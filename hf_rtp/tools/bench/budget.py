@@ -22,7 +22,7 @@ def largest_batch(config, strategy: str, world_size: int, args) -> int:
     for batch in range(1, MAX_BATCH + 1):
         grid = strategy == "rtp-2d"  # estimated as RTP on rings of --rtp-size
         estimate = memory.estimate(config, world_size, batch=batch, seq=args.seq, dtype=args.dtype,
-                                   gradient_checkpointing=args.gradient_checkpointing,
+                                   gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
                                    rtp_size=args.rtp_size if grid else None)["rtp" if grid else strategy]
         if estimate / 1e9 > args.budget_gb:
             break
@@ -58,3 +58,24 @@ def table(rows: list[dict], budget_gb: float) -> str:
         lines.append(f"{r['strategy']:<14} {r['world_size']:>2} {r['batch'] if fits else 'none fits':>13} "
                      f"{r['peak_gb'] if fits else math.nan:>12.3f} {r['tokens_per_s']:>9.0f}")
     return "\n".join(lines)
+
+
+def chart(rows: list[dict], args, path: str) -> None:
+    """Tokens/s each strategy trains at within the budget, its largest batch written on its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['strategy']}\nN={r['world_size']}" for r in rows]
+    bars = ax.bar(labels, [r["tokens_per_s"] for r in rows])
+    for bar, r in zip(bars, rows):
+        note = f"batch {r['batch']}" if r["batch"] else "none fits"
+        ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_ylabel("global tokens/s")
+    ax.set_title(f"largest batch x {args.seq} tokens within {args.budget_gb} GB per rank, {args.dtype}"
+                 + (", bf16 autocast" if args.autocast else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

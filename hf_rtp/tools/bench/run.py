@@ -29,6 +29,8 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
                    "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]
     if args.gradient_checkpointing:
         worker_args.append("--gradient-checkpointing")
+    if args.autocast:
+        worker_args.append("--autocast")
     if strategy == "rtp-2d":
         worker_args += ["--rtp-size", str(args.rtp_size)]
     reports = run_ranks("hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
@@ -153,7 +155,8 @@ def _within_budget(args, checkpoint, config, runs) -> dict:
     result = {"settings": vars(args), "checkpoint": checkpoint, "budget": rows}
     with open(os.path.join(args.output, "budget.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nwrote {os.path.join(args.output, 'budget.json')}")
+    budget.chart(rows, args, os.path.join(args.output, "budget.png"))
+    print(f"\nwrote {os.path.join(args.output, 'budget.json')} and {os.path.join(args.output, 'budget.png')}")
     return result
 
 
@@ -163,7 +166,7 @@ def parse_args(argv=None):
     src.add_argument("--checkpoint", help="a local checkpoint folder")
     src.add_argument("--preset", choices=sorted(PRESETS), default="llama-90m", help="a config made locally (default llama-90m)")
     p.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", help=f"comma-separated (default {','.join(STRATEGIES)}; with --generate ddp,tp,rtp)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
@@ -176,6 +179,11 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     p.add_argument("--rtp-size", type=int, help="also run RTP as rings of this many ranks (data parallel across "
                    "them, the 2-D layout) at every world size it divides, beside the flat ring")
+    p.add_argument("--autocast", action="store_true", help="train (or decode) under bf16 autocast over --dtype "
+                   "weights, as Trainer(bf16=True) does; FSDP2 then uses its MixedPrecisionPolicy (bf16 gathers)")
+    p.add_argument("--generate", nargs="?", const="1,8,32", help="instead: tokens/s and peak memory of greedy "
+                   "generate at these batch sizes per rank (default 1,8,32) for ddp, tp and rtp (hf_rtp.tools.bench.decode)")
+    p.add_argument("--new-tokens", type=int, default=128, help="with --generate: tokens each sequence decodes")
     p.add_argument("--budget-gb", type=float, help="instead: each strategy's largest batch per rank within this "
                    "many GB per rank (estimated, then measured down until it fits), and its tokens/s")
     return p.parse_args(argv)
@@ -187,7 +195,7 @@ def main(argv=None) -> dict:
         sizes = [int(n) for n in args.world_sizes.split(",")]
     except ValueError:
         sizes = [0]
-    strategies = args.strategies.split(",")
+    strategies = (args.strategies or ",".join(STRATEGIES)).split(",")
     unknown = set(strategies) - set(STRATEGIES + VARIANTS)
     if unknown or any(n < 1 for n in sizes):
         raise SystemExit(f"strategies must be among {', '.join(STRATEGIES + VARIANTS)} and world sizes >= 1")
@@ -209,6 +217,12 @@ def main(argv=None) -> dict:
                              "Use --strategies single, or smaller --world-sizes.")
     os.makedirs(args.output, exist_ok=True)
     checkpoint = args.checkpoint or make_preset(args.preset, os.path.join(tempfile.gettempdir(), f"hf-rtp-bench-{args.preset}"))
+    name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset
+    if args.generate:
+        from . import decode
+
+        picked = [s for s in strategies if s in decode.STRATEGIES] if args.strategies else list(decode.STRATEGIES)
+        return decode.run(args, checkpoint, sizes, picked, name)
     config = memory.load_config(checkpoint)
     states_gb = memory.model_states_bytes(config, args.dtype) / 1e9
 
@@ -230,7 +244,7 @@ def main(argv=None) -> dict:
             continue
         grid = strategy == "rtp-2d"
         estimates = memory.estimate(config, n, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                                    gradient_checkpointing=args.gradient_checkpointing,
+                                    gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
                                     rtp_size=args.rtp_size if grid else None)
         row["estimate_gb"] = estimates.get("rtp" if grid else strategy, float("nan")) / 1e9
         if grid:
@@ -238,8 +252,9 @@ def main(argv=None) -> dict:
         rows.append(row)
     add_efficiency(rows, states_gb)
 
-    name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset
     title = f"{name}: batch {args.batch}x{args.seq} per rank, {args.dtype} AdamW, {args.device}"
+    if args.autocast:
+        title += ", bf16 autocast"
     if args.gradient_checkpointing:
         title += ", gradient checkpointing"
     print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))

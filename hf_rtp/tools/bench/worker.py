@@ -29,8 +29,8 @@ VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d")
 
 
 def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device,
-         gradient_checkpointing: bool = False, rtp_size: int | None = None) -> nn.Module:
-    model = _load(strategy, checkpoint, dtype, device, rtp_size)
+         gradient_checkpointing: bool = False, rtp_size: int | None = None, autocast: bool = False) -> nn.Module:
+    model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -38,7 +38,8 @@ def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devic
     return model
 
 
-def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None) -> nn.Module:
+def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None,
+          autocast: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if strategy.startswith("rtp"):
@@ -52,15 +53,24 @@ def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devi
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # under autocast, FSDP2's own mixed precision: bf16 all-gathers, float32 reduce-scatters
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if autocast else None
+        kwargs = {"mp_policy": policy} if policy else {}
         for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
     return model
 
 
-def train_step(model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+def train_step(model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
+               autocast: bool = False) -> float:
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
+        return _train_step(model, strategy, batch, optimizer)
+
+
+def _train_step(model, strategy, batch, optimizer) -> float:
     if strategy == "rtp-zero-loss":
         loss = model.model(input_ids=batch).last_hidden_state.sum() * 0
         loss.backward()
@@ -92,6 +102,9 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--rtp-size", type=int)
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast over the weights' dtype")
+    p.add_argument("--generate", help="comma-separated batch sizes: time greedy decoding instead of training")
+    p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -115,8 +128,14 @@ def main(argv=None) -> None:
     marks = {"baseline_rss": vm_rss(os.getpid()), "load_start": time.time()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = load(args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size).train()
+    model = load(args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size,
+                 args.autocast).train()
     marks["load_end"] = time.time()
+    if args.generate:
+        report = dict(marks, rank=rank, world_size=world_size, load_s=marks["load_end"] - marks["load_start"],
+                      decode=decode(model, args, vocab, seed, device))
+        print(json.dumps(report), flush=True)
+        return _finish()
     if device.type == "cuda":
         marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -129,7 +148,7 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        losses.append(train_step(model, args.strategy, batch, optimizer))
+        losses.append(train_step(model, args.strategy, batch, optimizer, args.autocast))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if world_size > 1:
@@ -144,9 +163,41 @@ def main(argv=None) -> None:
                   load_s=marks["load_end"] - marks["load_start"])
     print(json.dumps(report), flush=True)
     del model, optimizer
+    _finish()
+
+
+def _finish() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def decode(model: nn.Module, args, vocab: int, seed: int, device: torch.device) -> list[dict]:
+    """Greedy `generate` of exactly --new-tokens tokens per batch size, after one short warm-up:
+    seconds (the slowest rank's) and wall-clock marks, so the parent can cut the phase's peak."""
+    model = getattr(model, "module", model).eval()
+    generator = torch.Generator().manual_seed(seed)
+    runs = []
+    for batch in [int(b) for b in args.generate.split(",")]:
+        prompt = torch.randint(0, vocab, (batch, args.seq), generator=generator).to(device)
+        options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast):
+            model.generate(prompt[:, :8], max_new_tokens=2, min_new_tokens=2, **options)  # warm-up
+            if dist.is_initialized():
+                dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            start_mark, start = time.time(), time.perf_counter()
+            out = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **options)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if dist.is_initialized():
+                dist.barrier()
+        assert out.shape[1] == args.seq + args.new_tokens
+        runs.append({"batch": batch, "seconds": time.perf_counter() - start, "start": start_mark, "end": time.time()})
+        if device.type == "cuda":
+            runs[-1]["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+    return runs
 
 
 if __name__ == "__main__":
