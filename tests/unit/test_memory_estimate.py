@@ -133,4 +133,4 @@ def test_estimate_is_within_15_percent_of_every_measured_strategy(path):
         if strategy in estimates:  # not the zero-loss run, which only measures the loss's share
             assert estimates[strategy] / 1e9 == pytest.approx(row["peak_gb"], rel=0.15), row["strategy"]
             checked += 1
-    assert checked >= 5
+    assert checked >= min(5, len(result["results"]))  # every strategy of a run of a few (the 2x2 before/after)
