@@ -23,6 +23,7 @@ from .integrations.peft import adapter_state_dict
 from .integrations.trainer import attach_trainer
 from .model.state import is_rotated, state_of
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
+from .model.whole import whole_model
 from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "save_training_state",
     "state_of",
     "sync_grads",
+    "whole_model",
 ]

@@ -102,7 +102,8 @@ def from_pretrained(
             from a causal LM) is initialised as vanilla initialises it, on rank 0, and sent to every rank.
         reduce_dtype: the dtype rotated gradients travel the ring and are summed in, as FSDP2's
             MixedPrecisionPolicy(reduce_dtype=...); default None, the parameter's dtype (float32 master
-            weights keep float32 sums). `.grad` and the optimizer keep the parameter's dtype either way.
+            weights keep float32 sums). `.grad` and the optimizer keep the parameter's dtype either way,
+            and on a 2-D grid the sum over replicas runs on `.grad`, in that dtype.
             Weights need no setting: under autocast they travel in its dtype (bf16 over float32
             weights sends half the bytes, with the same matmul inputs as casting at each matmul).
         config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").

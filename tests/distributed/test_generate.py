@@ -38,3 +38,34 @@ def test_generate_matches_vanilla(tmp_path, arch, world_size):
     generated = run_on_ranks(_generate_like_vanilla, world_size, ckpt)
     assert len(generated) == world_size
     assert all(len(g[0]) == 3 + 4 * rank for rank, g in enumerate(generated))
+
+
+def _whole_copy(ckpt, tied):
+    import hf_rtp
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    whole = hf_rtp.whole_model(model)
+    assert type(whole) is type(ref) and not whole.training
+    assert not any(isinstance(p, DTensor) for p in whole.parameters())  # whole, plain, no ring
+    ref_state = ref.state_dict()
+    assert all(torch.equal(t, ref_state[n]) for n, t in whole.state_dict().items())
+    assert (whole.lm_head.weight is whole.model.embed_tokens.weight) == tied
+    prompts = global_batch(world, batch=2, seq=5, seed=3)[rank]
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(whole.generate(prompts, **settings), ref.generate(prompts, **settings))
+    # its own weights: a step on the copy leaves the rotated model as it was
+    with torch.no_grad():
+        whole.model.norm.weight.add_(1)
+    assert torch.equal(model.model.norm.weight, ref.model.norm.weight)
+    half = hf_rtp.whole_model(model, dtype=torch.float32)
+    return {p.dtype for p in half.parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_whole_model_is_vanilla_with_the_gathered_weights(tmp_path, tied):
+    ckpt = make_tiny("llama", tmp_path / "ckpt", tied=tied)
+    assert run_on_ranks(_whole_copy, 2, ckpt, tied) == [{torch.float32}] * 2

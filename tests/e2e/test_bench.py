@@ -94,7 +94,9 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((out / "generate.json").read_text())["decode"]
-    assert sorted((r["strategy"], r["batch"]) for r in rows) == [(s, b) for s in ("ddp", "rtp", "tp") for b in (1, 3)]
+    expected = [(s, b) for s in ("ddp", "rtp", "rtp-whole", "tp") for b in (1, 3)]
+    assert sorted((r["strategy"], r["batch"]) for r in rows) == expected
+    assert all(r["gather_s"] > 0 for r in rows if r["strategy"] == "rtp-whole")
     for r in rows:
         sequences = r["batch"] * (1 if r["strategy"] == "tp" else 2)  # TP decodes one batch on both ranks
         assert abs(r["tokens_per_s"] - sequences * 4 / r["seconds"]) < 1e-6 * r["tokens_per_s"]

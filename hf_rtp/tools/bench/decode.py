@@ -4,7 +4,7 @@ GRPO-style training spends most of its time in `generate`, and hf_rtp's decode w
 weight around the ring once per new token. This measures what that costs: tokens/s of greedy
 `generate` (exactly --new-tokens new tokens) per batch size per rank, for the whole model on every rank
 (what DDP decodes with), transformers' tensor parallelism (`tp_plan="auto"`, one batch on all ranks
-together) and hf_rtp, with each one's peak memory per rank during the decode (CPU: VmRSS above the
+together), hf_rtp, and hf_rtp decoding on a copy gathered by hf_rtp.whole_model (rtp-whole), with each one's peak memory per rank during the decode (CPU: VmRSS above the
 process's size before loading; GPU: torch.cuda.max_memory_allocated). Writes generate.json and
 generate.png to --output.
 """
@@ -16,7 +16,8 @@ import os
 
 from .processes import peak_between, run_ranks
 
-STRATEGIES = ("ddp", "tp", "rtp")
+# rtp-whole: hf_rtp's model, decoding on hf_rtp.whole_model's gathered copy (the rotated model stays held)
+STRATEGIES = ("ddp", "tp", "rtp", "rtp-whole")
 
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]:
@@ -36,16 +37,18 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]
         seconds = max(p["seconds"] for p in per_rank)
         sequences = run["batch"] * (1 if strategy == "tp" else world_size)  # TP decodes one batch on all ranks
         rows.append({"strategy": strategy, "world_size": world_size, "batch": run["batch"], "seconds": seconds,
-                     "tokens_per_s": sequences * args.new_tokens / seconds, "peak_gb": peak / 1e9})
+                     "tokens_per_s": sequences * args.new_tokens / seconds, "peak_gb": peak / 1e9,
+                     "gather_s": max((p["gather_s"] or 0.0) for p in per_rank) if strategy == "rtp-whole" else None})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'strategy':<8} {'N':>2} {'batch/rank':>10} {'decode s':>9} {'new tokens/s':>12} {'peak GB/rank':>12}"
+    head = f"{'strategy':<9} {'N':>2} {'batch/rank':>10} {'decode s':>9} {'new tokens/s':>12} {'peak GB/rank':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['strategy']:<8} {r['world_size']:>2} {r['batch']:>10} {r['seconds']:>9.2f} "
-                     f"{r['tokens_per_s']:>12.1f} {r['peak_gb']:>12.3f}")
+        gather = f"   (gathered in {r['gather_s']:.2f} s)" if r.get("gather_s") is not None else ""
+        lines.append(f"{r['strategy']:<9} {r['world_size']:>2} {r['batch']:>10} {r['seconds']:>9.2f} "
+                     f"{r['tokens_per_s']:>12.1f} {r['peak_gb']:>12.3f}" + gather)
     return "\n".join(lines)
 
 
@@ -55,7 +58,7 @@ def ratios(rows: list[dict]) -> list[str]:
     for (strategy, n, batch), rtp in sorted(by.items()):
         if strategy != "rtp":
             continue
-        for other in ("ddp", "tp"):
+        for other in ("ddp", "tp", "rtp-whole"):
             o = by.get((other, n, batch))
             if o:
                 out.append(f"N={n} batch {batch}: rtp/{other}: tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x, "

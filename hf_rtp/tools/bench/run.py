@@ -182,7 +182,7 @@ def parse_args(argv=None):
     p.add_argument("--autocast", action="store_true", help="train (or decode) under bf16 autocast over --dtype "
                    "weights, as Trainer(bf16=True) does; FSDP2 then uses its MixedPrecisionPolicy (bf16 gathers)")
     p.add_argument("--generate", nargs="?", const="1,8,32", help="instead: tokens/s and peak memory of greedy "
-                   "generate at these batch sizes per rank (default 1,8,32) for ddp, tp and rtp (hf_rtp.tools.bench.decode)")
+                   "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp and rtp-whole (hf_rtp.tools.bench.decode)")
     p.add_argument("--new-tokens", type=int, default=128, help="with --generate: tokens each sequence decodes")
     p.add_argument("--budget-gb", type=float, help="instead: each strategy's largest batch per rank within this "
                    "many GB per rank (estimated, then measured down until it fits), and its tokens/s")
@@ -196,9 +196,10 @@ def main(argv=None) -> dict:
     except ValueError:
         sizes = [0]
     strategies = (args.strategies or ",".join(STRATEGIES)).split(",")
-    unknown = set(strategies) - set(STRATEGIES + VARIANTS)
+    known = STRATEGIES + VARIANTS + (("rtp-whole",) if args.generate else ())
+    unknown = set(strategies) - set(known)
     if unknown or any(n < 1 for n in sizes):
-        raise SystemExit(f"strategies must be among {', '.join(STRATEGIES + VARIANTS)} and world sizes >= 1")
+        raise SystemExit(f"strategies must be among {', '.join(known)} and world sizes >= 1")
     if "rtp-2d" in strategies and args.rtp_size is None:
         raise SystemExit("--strategies rtp-2d needs --rtp-size K: the ranks per ring")
     if args.rtp_size is not None:

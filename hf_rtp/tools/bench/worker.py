@@ -91,7 +91,7 @@ def _train_step(model, strategy, batch, optimizer) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("strategy", choices=STRATEGIES + VARIANTS)
+    p.add_argument("strategy", choices=STRATEGIES + VARIANTS + ("rtp-whole",))
     p.add_argument("checkpoint")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
@@ -174,8 +174,16 @@ def _finish() -> None:
 
 def decode(model: nn.Module, args, vocab: int, seed: int, device: torch.device) -> list[dict]:
     """Greedy `generate` of exactly --new-tokens tokens per batch size, after one short warm-up:
-    seconds (the slowest rank's) and wall-clock marks, so the parent can cut the phase's peak."""
+    seconds (the slowest rank's) and wall-clock marks, so the parent can cut the phase's peak. For
+    rtp-whole, also the seconds hf_rtp.whole_model took to gather the copy it decodes with."""
     model = getattr(model, "module", model).eval()
+    gather_s = None
+    if args.strategy == "rtp-whole":  # hf_rtp.whole_model: decode on a gathered copy, beside the rotated model
+        import hf_rtp
+
+        start = time.perf_counter()
+        model = hf_rtp.whole_model(model)
+        gather_s = time.perf_counter() - start
     generator = torch.Generator().manual_seed(seed)
     runs = []
     for batch in [int(b) for b in args.generate.split(",")]:
@@ -194,7 +202,8 @@ def decode(model: nn.Module, args, vocab: int, seed: int, device: torch.device) 
             if dist.is_initialized():
                 dist.barrier()
         assert out.shape[1] == args.seq + args.new_tokens
-        runs.append({"batch": batch, "seconds": time.perf_counter() - start, "start": start_mark, "end": time.time()})
+        runs.append({"batch": batch, "seconds": time.perf_counter() - start, "start": start_mark, "end": time.time(),
+                     "gather_s": gather_s})
         if device.type == "cuda":
             runs[-1]["cuda_peak"] = torch.cuda.max_memory_allocated(device)
     return runs
