@@ -75,7 +75,7 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
     out = tmp_path / "out"
     budget = 0.1  # GB per rank: the tiny preset's estimates put DDP at 4 sequences of 128, RTP at 8
     cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2", "--strategies",
-           "ddp,rtp", "--budget-gb", str(budget), "--warmup", "1", "--steps", "1", "--autocast", "--output", str(out)]
+           "ddp,rtp", "--budget-gb", str(budget), "--warmup", "1", "--steps", "1", "--output", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["strategy"]: r for r in json.loads((out / "budget.json").read_text())["budget"]}
@@ -85,6 +85,21 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
     assert rows["rtp"]["batch"] > rows["ddp"]["batch"]  # 1/N of the model states leaves room for more tokens
     assert f"within {budget} GB per rank" in done.stdout
     assert (out / "budget.png").stat().st_size > 0
+
+
+def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(tmp_path):
+    # 16 tokens: this CPU has no bf16 matmul instructions (a bf16 matmul runs ~50x slower than float32)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hf_rtp", "bench", "--preset", "llama-tiny", "--world-sizes", "2", "--strategies",
+           "fsdp2,rtp", "--batch", "1", "--seq", "16", "--warmup", "1", "--steps", "1", "--autocast", "--output", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["settings"]["autocast"] and "bf16 autocast" in done.stdout
+    rows = {r["strategy"]: r for r in result["results"]}
+    assert set(rows) == {"fsdp2", "rtp"}
+    # both train on rank 0's first batch from the same weights under the same autocast: the same loss
+    assert abs(rows["fsdp2"]["loss_first"] - rows["rtp"]["loss_first"]) < 1e-2
 
 
 def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
