@@ -149,6 +149,9 @@ def test_one_rank_with_another_piece_size_or_plan_fails_before_the_first_forward
         assert "rank 1 differs from rank 0 in rotation_piece_size (1000 bytes vs 16000000 bytes)" in message
     for message in run_on_ranks(_load_expecting_error, 2, [a, a], [{}, {"plan": "auto"}]):
         assert "rank 1 differs from rank 0 in plan (auto" in message
+    # gradient accumulators of another size on the wire would be read as garbage
+    for message in run_on_ranks(_load_expecting_error, 2, [a, a], [{}, {"reduce_dtype": "bfloat16"}]):
+        assert "rank 1 differs from rank 0 in reduce_dtype (torch.bfloat16 vs torch.float32)" in message
 
 
 def test_config_differing_on_one_rank_is_named(tmp_path):
