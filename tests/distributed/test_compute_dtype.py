@@ -40,7 +40,7 @@ def _run(ckpt, batch, **load):
     return loss.detach(), logits.detach(), grads, forward_bytes, slots, ring
 
 
-def _bf16_rotation_is_exact(checkpoints):
+def _bf16_rotation_is_exact(checkpoints, plain):
     from hf_rtp.dist.ring import Ring
     from transformers import AutoModelForCausalLM
 
@@ -67,6 +67,9 @@ def _bf16_rotation_is_exact(checkpoints):
             # every matmul's weights travel in bf16; the embedding's lookup stays float32 (vanilla's is)
             assert slots * 2 == old_slots, (slots, old_slots)
         ratios[arch] = forward_bytes / old_forward_bytes
+    if world == 2:  # in the same processes: one layer's bytes exactly, and reduce_dtype
+        ratios["layer"] = _layer_traffic(plain)
+        ratios["bf16 sums differ"] = _reduce_dtype(plain)
     return ratios
 
 
@@ -75,10 +78,17 @@ def test_autocast_rotation_sends_bf16_with_the_same_numbers(tmp_path, world):
     # a wide MLP, so its pieces (not the float32 embedding's) size the weight slots
     checkpoints = {arch: make_tiny(arch, tmp_path / arch, **({"intermediate_size": 256} if arch == "llama" else {}))
                    for arch in ("llama", "gpt2", "mixtral")}
-    for ratios in run_on_ranks(_bf16_rotation_is_exact, world, checkpoints):
+    plain = make_tiny("llama", tmp_path / "plain")
+    for ratios in run_on_ranks(_bf16_rotation_is_exact, world, checkpoints, plain):
         # the forward's weights: half for every matmul; the float32 embedding rows keep their size
         assert 0.5 < ratios["llama"] < 0.6 and 0.5 < ratios["mixtral"] < 0.6, ratios
         assert ratios["gpt2"] < 0.7, ratios  # GPT-2's tied embedding is a larger share of a tiny model
+        if world == 2:
+            fp32_forward, fp32_backward, bf16_forward, bf16_backward = ratios["layer"]
+            assert bf16_forward * 2 == fp32_forward > 0
+            # backward: the weights walk again (halved), the float32 gradient accumulator travels (unchanged)
+            assert fp32_backward - bf16_backward == fp32_forward // 2
+            assert ratios["bf16 sums differ"]
 
 
 def _layer_traffic(ckpt):
@@ -121,12 +131,3 @@ def _reduce_dtype(ckpt):
     for name, exact in grads[0].items():
         torch.testing.assert_close(grads[1][name], exact, atol=1e-4, rtol=2e-2)  # bf16 sums: close, not equal
     return any(not torch.equal(grads[1][n], g) for n, g in grads[0].items())
-
-
-def test_layer_traffic_halves_and_reduce_dtype(tmp_path):
-    ckpt = make_tiny("llama", tmp_path / "llama")
-    for fp32_forward, fp32_backward, bf16_forward, bf16_backward in run_on_ranks(_layer_traffic, 2, ckpt):
-        assert bf16_forward * 2 == fp32_forward > 0
-        # backward: the weights walk again (halved) and the float32 gradient accumulator travels (unchanged)
-        assert fp32_backward - bf16_backward == fp32_forward // 2
-    assert all(run_on_ranks(_reduce_dtype, 2, ckpt))  # bf16 gradient sums do change the bits

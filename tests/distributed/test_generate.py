@@ -40,6 +40,10 @@ def test_generate_matches_vanilla(tmp_path, arch, world_size):
     assert all(len(g[0]) == 3 + 4 * rank for rank, g in enumerate(generated))
 
 
+def _whole_copies(checkpoints):
+    return [_whole_copy(ckpt, tied) for tied, ckpt in checkpoints.items()]
+
+
 def _whole_copy(ckpt, tied):
     import hf_rtp
     from torch.distributed.tensor import DTensor
@@ -65,7 +69,6 @@ def _whole_copy(ckpt, tied):
     return {p.dtype for p in half.parameters()}
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_whole_model_is_vanilla_with_the_gathered_weights(tmp_path, tied):
-    ckpt = make_tiny("llama", tmp_path / "ckpt", tied=tied)
-    assert run_on_ranks(_whole_copy, 2, ckpt, tied) == [{torch.float32}] * 2
+def test_whole_model_is_vanilla_with_the_gathered_weights(tmp_path):
+    checkpoints = {tied: make_tiny("llama", tmp_path / str(tied), tied=tied) for tied in (False, True)}
+    assert run_on_ranks(_whole_copies, 2, checkpoints) == [[{torch.float32}] * 2] * 2
