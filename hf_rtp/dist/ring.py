@@ -108,11 +108,9 @@ class Ring:
         self.group = group
         self.piece_bytes = piece_bytes
         """chunks larger than this walk the ring in pieces (from_pretrained's rotation_piece_size)"""
-        self.replicas = replicas
-        """on a 2-D grid, this ring's rank in every other replica: the same chunk, other data"""
-        self.replica_count = replica_count
         self.replica_sum = ReplicaSum(replicas, replica_count) if replicas is not None else None
-        """sums rotated gradients over the replicas, after autograd accumulates them (see dist.replicas)"""
+        """on a 2-D grid (`replicas`: this ring's rank in every other replica, the same chunk with other
+        data), what sums rotated gradients over them after autograd accumulates them (dist.replicas)"""
         self.reduce_dtype = reduce_dtype
         """the dtype gradient accumulators travel and are summed in (None: the parameter's)"""
         if group is None:

@@ -30,11 +30,13 @@ def whole_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
     config = copy.deepcopy(model.config)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         whole = type(model)(config)
-    tensors = {}
+    tensors, gathered = {}, {}
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=False):
-            value = param.full_tensor() if isinstance(param, RotatedTensor) else param
-            tensors[name] = value.detach().to(dtype=dtype or value.dtype, copy=True)
+            if id(param) not in gathered:  # a tied weight is gathered once, under its first name
+                value = param.full_tensor() if isinstance(param, RotatedTensor) else param
+                gathered[id(param)] = value.detach().to(dtype=dtype or value.dtype, copy=True)
+            tensors[name] = gathered[id(param)]
     whole.load_state_dict(tensors, strict=False, assign=True)
     whole.tie_weights()
     for name, buffer in model.named_buffers():  # persistent or not (rotary frequencies, Gemma's embed_scale)
