@@ -22,9 +22,9 @@ from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
 from .checkpoint.save import push, save_pretrained
-from .dist.agreement import agreed
-from .dist.rotated import COMPILE_REFUSED, keep_rotated
-from .dist.topology import setup
+from .distributed.agreement import agreed
+from .distributed.rotated import COMPILE_REFUSED, keep_rotated
+from .distributed.topology import setup
 from .errors import CheckpointError, RotatedStateError, TopologyError
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import make_peft_use_global_features

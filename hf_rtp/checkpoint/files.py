@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..dist.agreement import agreed
+from ..distributed.agreement import agreed
 
 from ..errors import CheckpointError
 from .commit import INDEX_NAME, SINGLE_NAME, recover

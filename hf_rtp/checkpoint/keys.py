@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..log import warning
-from ..dist.topology import Topology
+from ..distributed.topology import Topology
 from ..model.ties import tie_targets
 from ..plans import Resolution
-from ..dist.sharding import chunk_rows
+from ..distributed.sharding import chunk_rows
 from .conversion import Source, own, stored_sources
 from .safetensors_io import TensorEntry, read_rows
 

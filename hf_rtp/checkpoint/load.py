@@ -9,7 +9,7 @@ from .. import faults
 from ..errors import CheckpointError
 from ..layers.common import local
 from ..log import progress
-from ..dist.agreement import agreed
+from ..distributed.agreement import agreed
 from .commit import recover
 from .files import find_weights
 from .digests import overlapped

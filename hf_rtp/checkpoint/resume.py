@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .. import faults
 from ..errors import CheckpointError, HfRtpError
-from ..dist.agreement import agreed
+from ..distributed.agreement import agreed
 from ..model.state import state_of
 from .atomic import recover_folder, replace_folder
 from .ownership import FolderLock, is_real_dir, read_json, write_json

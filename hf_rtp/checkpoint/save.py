@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from .. import faults
 from ..log import info, progress, warning
-from ..dist.agreement import Attempts, agreed
-from ..dist.topology import Topology
-from ..dist.sharding import ChunkLayout
+from ..distributed.agreement import Attempts, agreed
+from ..distributed.topology import Topology
+from ..distributed.sharding import ChunkLayout
 from ..model.state import state_of
 from ..model.ties import tie_targets
 from ..settings import parse_size

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import log
-from ..dist.rotated import RotatedTensor, rows_of, whole
+from ..distributed.rotated import RotatedTensor, rows_of, whole
 from ..errors import RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local

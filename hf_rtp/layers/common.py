@@ -9,12 +9,12 @@ import textwrap
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..dist.rotated import RotatedTensor, local_chunk
+from ..distributed.rotated import RotatedTensor, local_chunk
 
 
 def local(param: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's chunk, still connected to autograd so its gradient lands on the DTensor (a rotated
-    parameter's as a RotatedTensor, see dist.rotated)."""
+    parameter's as a RotatedTensor, see distributed.rotated)."""
     if param is None:
         return None
     if isinstance(param, RotatedTensor):
@@ -55,7 +55,7 @@ def finish_weight_grads(ctx, landed, ring, inputs, positions=(1, 2)) -> list[tor
     `inputs` are the rotated chunks the accumulators belong to and `positions` their places among the
     Function's inputs (weight 1 and bias 2 for most ops); a grad is None where that input wants none
     (frozen, absent). On a 2-D grid the sum over the replicas follows the ring's: after autograd
-    accumulates `.grad` where it will (dist.replicas, overlapped with earlier layers' backward),
+    accumulates `.grad` where it will (distributed.replicas, overlapped with earlier layers' backward),
     else here, at once.
     """
     grads = []

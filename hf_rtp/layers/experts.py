@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dist.ring import Ring
-from ..dist.sharding import ChunkLayout
+from ..distributed.ring import Ring
+from ..distributed.sharding import ChunkLayout
 from .common import add_matmul, autocast_dtype, finish_weight_grads, local
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")

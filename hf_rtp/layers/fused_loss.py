@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..dist.ring import Ring
-from ..dist.sharding import ChunkLayout
+from ..distributed.ring import Ring
+from ..distributed.sharding import ChunkLayout
 from .common import add_matmul, finish_weight_grads
 
 BLOCK_BYTES = 16 * 2**20

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dist.ring import Ring
-from ..dist.sharding import ChunkLayout
+from ..distributed.ring import Ring
+from ..distributed.sharding import ChunkLayout
 from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle, source_text
 
 

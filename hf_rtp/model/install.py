@@ -8,8 +8,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..layers import LAYERS
 from .ties import tie_targets
-from ..dist.topology import Topology
-from ..dist.rotated import make_rotated
+from ..distributed.topology import Topology
+from ..distributed.rotated import make_rotated
 from ..plans import Resolution
 
 

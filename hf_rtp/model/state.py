@@ -8,7 +8,7 @@ from typing import Callable
 from torch import nn
 
 from ..errors import HfRtpError
-from ..dist.topology import Topology
+from ..distributed.topology import Topology
 from ..plans import Plan, Resolution
 
 ATTRIBUTE = "_hf_rtp_state"

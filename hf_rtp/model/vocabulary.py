@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import log
-from ..dist.sharding import ChunkLayout, chunk_rows
-from ..dist.rotated import RotatedTensor
+from ..distributed.sharding import ChunkLayout, chunk_rows
+from ..distributed.rotated import RotatedTensor
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from .install import rotated_parameter

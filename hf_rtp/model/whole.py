@@ -16,7 +16,7 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from .. import log
-from ..dist.rotated import RotatedTensor
+from ..distributed.rotated import RotatedTensor
 from .state import state_of
 
 

@@ -144,7 +144,7 @@ def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: in
     lookup needs) under hf_rtp's plan."""
     from .. import plans
     from ..plans.auto import auto_plan
-    from ..dist.sharding import ChunkLayout, chunk_rows
+    from ..distributed.sharding import ChunkLayout, chunk_rows
 
     model_type = model.config.model_type
     plan = plans.get(model_type) if model_type in plans.supported() else auto_plan(model)
@@ -217,7 +217,7 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     if ring < 1 or n % ring:
         raise ValueError(f"rtp_size={rtp_size} must divide the world size {n}")
     rtp_local, rtp_largest, piece, lookup = _rtp_local(model, ring, size, piece_bytes)
-    travel = min(size, torch.bfloat16.itemsize) if autocast else size  # what the ring carries (dist/ring.py)
+    travel = min(size, torch.bfloat16.itemsize) if autocast else size  # what the ring carries (distributed/ring.py)
     weight_slot = max(piece * travel, lookup * size)
     pool = 0 if ring == 1 else (1 if ring == 2 else 2) * weight_slot + 2 * piece * size  # weight + gradient slots
     tp_local = _tp_local(model, n)

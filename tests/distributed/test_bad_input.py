@@ -157,7 +157,7 @@ def test_token_ids_outside_the_vocabulary_fail_like_vanilla(tmp_path):
     from support.models import VOCAB
 
     from hf_rtp.layers import RotatedEmbedding
-    from hf_rtp.dist.ring import Ring
+    from hf_rtp.distributed.ring import Ring
 
     vanilla = torch.nn.Embedding(VOCAB, 4)
     rotated = RotatedEmbedding(vanilla, ring=Ring(None), weight=vanilla.weight)

@@ -41,7 +41,7 @@ def _run(ckpt, batch, **load):
 
 
 def _bf16_rotation_is_exact(checkpoints, plain):
-    from hf_rtp.dist.ring import Ring
+    from hf_rtp.distributed.ring import Ring
     from transformers import AutoModelForCausalLM
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -20,8 +20,8 @@ from support.spawn import run_on_ranks
 
 def _full_tensor_is_data_parallel(ckpt):
     import hf_rtp
-    from hf_rtp.dist.rotated import RotatedTensor
-    from hf_rtp.dist.sharding import chunk_rows
+    from hf_rtp.distributed.rotated import RotatedTensor
+    from hf_rtp.distributed.sharding import chunk_rows
     from safetensors.torch import load_file
     from torch.distributed.tensor import Replicate
 

@@ -44,7 +44,7 @@ def _autocast_matches_vanilla(checkpoints):
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from hf_rtp.dist.sharding import chunk_rows
+    from hf_rtp.distributed.sharding import chunk_rows
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batches = global_batch(world)

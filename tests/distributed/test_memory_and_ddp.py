@@ -15,7 +15,7 @@ def _rank_world():
 
 def _ddp_and_shares(ckpt):
     import hf_rtp
-    from hf_rtp.dist.sharding import chunk_rows
+    from hf_rtp.distributed.sharding import chunk_rows
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -2,7 +2,7 @@
 
 A rotated model holds DTensor and plain parameters, and `clip_grad_norm_` or a foreach optimizer over
 all of them mixes the two kinds. hf_rtp allows that mixing only inside ops on its own rotated tensors
-(dist/rotated.py), so a TP or FSDP model beside it in the same process (a reference model, a reward
+(distributed/rotated.py), so a TP or FSDP model beside it in the same process (a reference model, a reward
 model) still gets torch's error when it mixes. Compared with vanilla under DDP in float64.
 """
 
@@ -32,7 +32,7 @@ def _mixing_refused(mesh) -> bool:
 
 def _train_beside_a_plain_dtensor(ckpt):
     import hf_rtp
-    from hf_rtp.dist.rotated import RotatedTensor
+    from hf_rtp.distributed.rotated import RotatedTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM

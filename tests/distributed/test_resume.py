@@ -27,7 +27,7 @@ def _train_and_save(ckpt, state_dir, reference):
 def _load_elsewhere(ckpt, state_dir, reference):
     import hf_rtp
     from hf_rtp.checkpoint.resume import load_training_state
-    from hf_rtp.dist.sharding import chunk_rows
+    from hf_rtp.distributed.sharding import chunk_rows
     from torch.distributed.tensor import DTensor
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

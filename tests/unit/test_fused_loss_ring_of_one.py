@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from hf_rtp.model.fused_head import install_forward, read_head
 from hf_rtp.layers import RotatedLinear
 from hf_rtp.layers import fused_loss
-from hf_rtp.dist.ring import Ring
+from hf_rtp.distributed.ring import Ring
 
 
 FLOAT32_NOISE = 2e-6

@@ -15,7 +15,7 @@ import hf_rtp
 # Lowest first: a module may import its own layer and the ones before it.
 LAYERS = [
     ("base", ("errors", "log", "faults", "version", "settings")),
-    ("dist", ("dist",)),
+    ("distributed", ("distributed",)),
     ("layers", ("layers",)),
     ("plans", ("plans",)),
     ("model", ("model",)),
@@ -24,8 +24,8 @@ LAYERS = [
     ("api", ("api", "")),  # "" is the package's __init__: the public names
     ("tools", ("tools", "__main__")),  # the CLI and benches: nothing in the package imports them
 ]
-# dist/ is plain torch.distributed: it must run (and be read) without transformers or its ecosystem
-NOT_IN_DIST = ("transformers", "accelerate", "peft", "trl", "huggingface_hub", "safetensors")
+# distributed/ is plain torch.distributed: it must run (and be read) without transformers or its ecosystem
+NOT_IN_DISTRIBUTED = ("transformers", "accelerate", "peft", "trl", "huggingface_hub", "safetensors")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -119,17 +119,17 @@ def problems(root: Path) -> list[str]:
             theirs = layer_of(target, top)
             if theirs > mine:
                 found.append(f"{name} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]}), a layer above it")
-    dist = [n for n in known if layer_of(n, top) == 1]
-    for name in dist:
+    distributed = [n for n in known if layer_of(n, top) == 1]
+    for name in distributed:
         reached, todo = set(), [name]
         while todo:
             current = todo.pop()
             if current not in reached:
                 reached.add(current)
                 todo.extend(graph[current])
-        banned = sorted({m for r in reached for m in outside[r] if m in NOT_IN_DIST})
+        banned = sorted({m for r in reached for m in outside[r] if m in NOT_IN_DISTRIBUTED})
         if banned:
-            found.append(f"{name} (dist) reaches {', '.join(banned)}")
+            found.append(f"{name} (distributed) reaches {', '.join(banned)}")
     return found
 
 
@@ -137,22 +137,22 @@ def test_hf_rtp_imports_only_downward_and_has_no_cycle():
     assert problems(Path(hf_rtp.__file__).parent) == []
 
 
-def test_the_checker_finds_a_hidden_cycle_an_upward_import_and_transformers_in_dist(tmp_path):
+def test_the_checker_finds_a_hidden_cycle_an_upward_import_and_transformers_in_distributed(tmp_path):
     package = tmp_path / "pkg"
-    for folder in ("", "dist", "model", "tools"):
+    for folder in ("", "distributed", "model", "tools"):
         (package / folder).mkdir(parents=True, exist_ok=True)
         (package / folder / "__init__.py").write_text("")
     (package / "errors.py").write_text("")
-    (package / "dist" / "ring.py").write_text("from .. import errors\nfrom .groups import make\n")
-    (package / "dist" / "groups.py").write_text("from ..log import x\ndef make():\n    from .ring import Ring  # hidden\n")
+    (package / "distributed" / "ring.py").write_text("from .. import errors\nfrom .groups import make\n")
+    (package / "distributed" / "groups.py").write_text("from ..log import x\ndef make():\n    from .ring import Ring  # hidden\n")
     (package / "log.py").write_text("import transformers.utils\n")
     (package / "model" / "state.py").write_text("def f():\n    from ..tools import cli\n")
     (package / "tools" / "cli.py").write_text("import os\n")
     found = problems(package)
-    assert "import cycle: pkg.dist.groups -> pkg.dist.ring" in found
+    assert "import cycle: pkg.distributed.groups -> pkg.distributed.ring" in found
     assert "pkg.model.state (model) imports pkg.tools.cli (tools), a layer above it" in found
-    assert "pkg.dist.groups (dist) reaches transformers" in found
-    assert "pkg.dist.ring (dist) reaches transformers" in found
+    assert "pkg.distributed.groups (distributed) reaches transformers" in found
+    assert "pkg.distributed.ring (distributed) reaches transformers" in found
     assert len(found) == 4, found
 
 

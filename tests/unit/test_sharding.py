@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_rtp.dist.sharding import ChunkLayout, chunk_rows
+from hf_rtp.distributed.sharding import ChunkLayout, chunk_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 10, 101])
@@ -28,7 +28,7 @@ def test_chunk_zero_and_its_first_piece_are_the_largest():
     import math
 
     import torch
-    from hf_rtp.dist.sharding import ChunkLayout
+    from hf_rtp.distributed.sharding import ChunkLayout
 
     for rows in (1, 2, 5, 10, 101):
         for world in (1, 2, 3, 4, 7):

@@ -110,7 +110,7 @@ class Ring:
         """chunks larger than this walk the ring in pieces (from_pretrained's rotation_piece_size)"""
         self.replica_sum = ReplicaSum(replicas, replica_count) if replicas is not None else None
         """on a 2-D grid (`replicas`: this ring's rank in every other replica, the same chunk with other
-        data), what sums rotated gradients over them after autograd accumulates them (dist.replicas)"""
+        data), what sums rotated gradients over them after autograd accumulates them (distributed.replicas)"""
         self.reduce_dtype = reduce_dtype
         """the dtype gradient accumulators travel and are summed in (None: the parameter's)"""
         if group is None:

@@ -26,7 +26,7 @@ _WAITED = "waited for the other replicas' gradients"
 
 
 def _accumulator(local: torch.Tensor | None):
-    """The AccumulateGrad node of the parameter `local` is the chunk of (via dist.rotated.local_chunk)."""
+    """The AccumulateGrad node of the parameter `local` is the chunk of (via distributed.rotated.local_chunk)."""
     node = getattr(local, "grad_fn", None)
     if node is None or not node.next_functions:
         return None
