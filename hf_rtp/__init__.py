@@ -21,8 +21,8 @@ from .errors import (
 from .integrations.accelerate import Accelerator
 from .integrations.peft import adapter_state_dict
 from .integrations.trainer import attach_trainer
-from .model.state import is_rotated, state_of
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
+from .model.state import is_rotated, state_of
 from .model.whole import whole_model
 from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 

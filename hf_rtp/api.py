@@ -35,8 +35,8 @@ from .model.generation import generate
 from .model.heads import fresh_head, initialise_head, is_causal_lm, model_class
 from .model.install import install
 from .model.state import ATTRIBUTE, RTPState
-from .model.vocabulary import resize_token_embeddings
 from .model.ties import tie_targets
+from .model.vocabulary import resize_token_embeddings
 from .plans.auto import auto_plan
 from .settings import DEFAULT_PIECE_SIZE, Settings
 
@@ -127,9 +127,20 @@ def from_pretrained(
     dtype = _resolve_dtype(dtype, config, entries)
     config.dtype = dtype  # as vanilla records it
     # before any other collective: ranks holding other files would otherwise meet in different ones
-    agree(fingerprint(commit=commit, config=config, entries=entries, plan=plan, piece_bytes=settings.piece_bytes,
-                      dtype=dtype, verify=settings.verify_weights, model_class=auto_class.__name__,
-                      reduce_dtype=settings.reduce_dtype), topology.control)
+    agree(
+        fingerprint(
+            commit=commit,
+            config=config,
+            entries=entries,
+            plan=plan,
+            piece_bytes=settings.piece_bytes,
+            dtype=dtype,
+            verify=settings.verify_weights,
+            model_class=auto_class.__name__,
+            reduce_dtype=settings.reduce_dtype,
+        ),
+        topology.control,
+    )
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = auto_class.from_config(config, dtype=dtype)
@@ -155,9 +166,17 @@ def from_pretrained(
     if model.can_generate():
         model.generation_config = _generation_config(directory, model)
     load_like = functools.partial(
-        from_pretrained, device=settings.device, device_mesh=device_mesh, rtp_size=topology.rtp_size, plan=plan,
-        timeout=settings.timeout, rotation_piece_size=settings.piece_bytes, fused_loss=settings.fused_loss,
-        verify_weights=settings.verify_weights, reduce_dtype=settings.reduce_dtype)
+        from_pretrained,
+        device=settings.device,
+        device_mesh=device_mesh,
+        rtp_size=topology.rtp_size,
+        plan=plan,
+        timeout=settings.timeout,
+        rotation_piece_size=settings.piece_bytes,
+        fused_loss=settings.fused_loss,
+        verify_weights=settings.verify_weights,
+        reduce_dtype=settings.reduce_dtype,
+    )
     bind(model, RTPState(topology, plan, resolution, sources, load_like))
     if is_causal_lm(model):
         install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)

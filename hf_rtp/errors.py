@@ -37,7 +37,16 @@ class IntegrationError(HfRtpError):
     """accelerate, Trainer, TRL or PEFT are used in a way hf_rtp cannot make data-parallel correct."""
 
 
-CLASSES = {cls.__name__: cls for cls in (
-    HfRtpError, CheckpointError, PlanError, UnsupportedModelError, TopologyError,
-    CollectiveMisuseError, RotatedStateError, IntegrationError,
-)}
+CLASSES = {
+    cls.__name__: cls
+    for cls in (
+        HfRtpError,
+        CheckpointError,
+        PlanError,
+        UnsupportedModelError,
+        TopologyError,
+        CollectiveMisuseError,
+        RotatedStateError,
+        IntegrationError,
+    )
+}

@@ -23,8 +23,15 @@ import re
 import signal
 
 POINTS = (
-    "load.read", "forward", "replicas.reduce", "save.write", "save.commit", "save.commit.mid",
-    "state.write", "state.commit", "state.commit.aside",
+    "load.read",
+    "forward",
+    "replicas.reduce",
+    "save.write",
+    "save.commit",
+    "save.commit.mid",
+    "state.write",
+    "state.commit",
+    "state.commit.aside",
 )
 _hits: dict[tuple[str, str], int] = {}  # by setting: a new HF_RTP_FAULT counts from zero
 

@@ -52,13 +52,15 @@ class Settings:
         verify_weights: str = "auto",
         fused_loss: bool = True,
         reduce_dtype: str | torch.dtype | None = None,
-    ) -> "Settings":
+    ) -> Settings:
         if verify_weights not in VERIFY_MODES:
             raise ValueError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
         if isinstance(reduce_dtype, str):
             reduce_dtype = getattr(torch, reduce_dtype, reduce_dtype)
         if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-            raise ValueError(f"reduce_dtype must be None or a floating torch dtype such as torch.float32, got {reduce_dtype!r}")
+            raise ValueError(
+                f"reduce_dtype must be None or a floating torch dtype such as torch.float32, got {reduce_dtype!r}"
+            )
         return cls(
             device=resolve_device(device),
             timeout=collective_timeout(timeout),
@@ -103,7 +105,11 @@ def as_timedelta(value: float | timedelta | None, variable: str, default: timede
         seconds = float(value)
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", str(value).lower())
-        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)] if match else float("nan")
+        seconds = (
+            float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+            if match
+            else float("nan")
+        )
     if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
         raise TopologyError(
             f"{variable}{' (or timeout=)' if variable == 'HF_RTP_TIMEOUT' else ''} must be a duration from 1 second to 7 days: seconds like 600, or 90s, 10m, 1h, "

@@ -10,8 +10,8 @@ import json
 import os
 import random
 
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
-THINGS = "apples stones birds ships lamps books keys coins".split()
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+THINGS = ["apples", "stones", "birds", "ships", "lamps", "books", "keys", "coins"]
 
 
 def sentence(rng: random.Random) -> str:

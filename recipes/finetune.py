@@ -28,10 +28,11 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipes' own helpers
 
-import hf_rtp  # noqa: E402
-from defaults import make_default  # noqa: E402
-from hf_rtp.checkpoint.resume import load_training_state, save_training_state  # noqa: E402
-from packing import GlobalOrder, load_texts, pack, split_eval  # noqa: E402
+from defaults import make_default
+from packing import GlobalOrder, load_texts, pack, split_eval
+
+import hf_rtp
+from hf_rtp.checkpoint.resume import load_training_state, save_training_state
 
 
 def parse_args(argv=None):
@@ -58,8 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--no_bf16", action="store_true", help="on GPU, train without bf16 autocast")
     p.add_argument("--push_to_hub", metavar="REPO", help="upload output_dir/final to this Hub repo at the end")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rtp_size", type=int, help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, "
-                   "data parallel across nodes)")
+    p.add_argument(
+        "--rtp_size",
+        type=int,
+        help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, data parallel across nodes)",
+    )
     return p.parse_args(argv)
 
 
@@ -76,7 +80,9 @@ def main(argv=None):
 
     with accelerator.main_process_first():  # rank 0 makes the default files, the others then read them
         if args.model is None or args.dataset is None:
-            default_model, default_train, default_eval = make_default(os.path.join(args.output_dir, "default"), args.seed)
+            default_model, default_train, default_eval = make_default(
+                os.path.join(args.output_dir, "default"), args.seed
+            )
         model_path = args.model or default_model
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         blocks = pack(load_texts(args.dataset or default_train, args.text_column), tokenizer, args.seq_len)
@@ -88,7 +94,9 @@ def main(argv=None):
 
     model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=accelerator.device, rtp_size=args.rtp_size)
     topology = hf_rtp.state_of(model).topology
-    log0(accelerator, f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring")
+    log0(
+        accelerator, f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring"
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = model
@@ -105,7 +113,10 @@ def main(argv=None):
     if args.resume_from:
         state = load_training_state(args.resume_from, trained, optimizer, scheduler)
         step, samples_seen = state["step"], state["samples_seen"]
-        log0(accelerator, f"resumed from {args.resume_from} at step {step} ({state.get('world_size', '?')} -> {world} ranks)")
+        log0(
+            accelerator,
+            f"resumed from {args.resume_from} at step {step} ({state.get('world_size', '?')} -> {world} ranks)",
+        )
     ddp = accelerator.prepare(trained)  # DDP averages replicated grads; rotated ones reduce in the ring
 
     order = GlobalOrder(len(blocks), args.seed)
@@ -115,9 +126,11 @@ def main(argv=None):
     while step < args.max_steps:
         started, loss_sum = time.perf_counter(), torch.zeros((), device=accelerator.device)
         for micro in range(args.grad_accum):
-            ids = blocks[order.micro_batch(samples_seen, rank, world, args.per_device_batch_size)].to(accelerator.device)
+            ids = blocks[order.micro_batch(samples_seen, rank, world, args.per_device_batch_size)].to(
+                accelerator.device
+            )
             samples_seen += world * args.per_device_batch_size
-            with autocast, (ddp.no_sync() if micro < args.grad_accum - 1 and world > 1 else nullcontext()):
+            with autocast, ddp.no_sync() if micro < args.grad_accum - 1 and world > 1 else nullcontext():
                 loss = ddp(input_ids=ids, labels=ids).loss
                 (loss / args.grad_accum).backward()
             loss_sum += loss.detach() / args.grad_accum
@@ -131,7 +144,10 @@ def main(argv=None):
             "loss": mean_over_ranks(loss_sum),
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            "tokens_per_s": world * args.grad_accum * args.per_device_batch_size * args.seq_len
+            "tokens_per_s": world
+            * args.grad_accum
+            * args.per_device_batch_size
+            * args.seq_len
             / (time.perf_counter() - started),
             "peak_mem_gb": max_over_ranks(peak_memory_gb(accelerator.device)),
         }
@@ -189,7 +205,7 @@ def evaluate(ddp, eval_blocks, rank, world, args, device, autocast) -> float:
         ids = mine[b * args.per_device_batch_size : (b + 1) * args.per_device_batch_size]
         real = len(ids)
         if real == 0:
-            ids = eval_blocks[: 1]
+            ids = eval_blocks[:1]
         with autocast:
             loss = ddp(input_ids=ids.to(device), labels=ids.to(device)).loss
         total += torch.stack([loss.float() * real, torch.tensor(float(real), device=device)])

@@ -24,10 +24,11 @@ from transformers import AutoTokenizer, Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_rtp  # noqa: E402
-from hf_rtp.settings import collective_timeout  # noqa: E402
-from defaults import make_default  # noqa: E402
-from packing import load_texts, pack  # noqa: E402
+from defaults import make_default
+from packing import load_texts, pack
+
+import hf_rtp
+from hf_rtp.settings import collective_timeout
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -51,8 +52,11 @@ def main(argv=None):
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rtp_size", type=int, help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, "
-                   "data parallel across nodes)")
+    p.add_argument(
+        "--rtp_size",
+        type=int,
+        help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, data parallel across nodes)",
+    )
     p.add_argument("--save_steps", type=int, default=0, help="write output_dir/checkpoint-N every N steps")
     p.add_argument("--resume_from_checkpoint", help="a checkpoint-N folder this recipe wrote")
     args = p.parse_args(argv)

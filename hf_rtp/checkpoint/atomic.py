@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from .. import faults
 from ..errors import CheckpointError

@@ -72,7 +72,7 @@ def remove_staging(staging: str) -> None:
     """Remove a staging folder provided it is provably hf_rtp's and holds only what a save stages;
     anything else is left in place and named in a warning."""
     name = os.path.basename(staging)
-    reason = _not_own_staging(staging, name[len(STAGING_PREFIX):])
+    reason = _not_own_staging(staging, name[len(STAGING_PREFIX) :])
     if reason is None:
         inside = os.listdir(staging)
         foreign = [n for n in inside if n != MARKER and not own_name(n)]
@@ -104,7 +104,11 @@ def commit(staging: str, directory: str, filenames: list[str]) -> None:
     entry = INDEX_NAME if len(filenames) > 1 else SINGLE_NAME
     staged = sorted(n for n in os.listdir(staging) if n != MARKER)
     for name in list(staged):  # unchanged configs stay: a one-file re-save is then one rename
-        if name != entry and name not in filenames and _same_bytes(os.path.join(staging, name), os.path.join(directory, name)):
+        if (
+            name != entry
+            and name not in filenames
+            and _same_bytes(os.path.join(staging, name), os.path.join(directory, name))
+        ):
             os.remove(os.path.join(staging, name))
             staged.remove(name)
     fsync_tree(staging)
@@ -113,7 +117,7 @@ def commit(staging: str, directory: str, filenames: list[str]) -> None:
     here = {n: identity(os.path.join(directory, n)) for n in staged}
     record = {
         "format": _FORMAT,
-        "save_id": os.path.basename(staging)[len(STAGING_PREFIX):],
+        "save_id": os.path.basename(staging)[len(STAGING_PREFIX) :],
         "staging": os.path.basename(staging),
         "entry": entry,
         "moves": {n: {"new": identity(os.path.join(staging, n)), "old": here[n]} for n in staged},
@@ -137,8 +141,11 @@ def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[s
         shards = {f for f in weight_map.values() if isinstance(f, str) and _SHARD.fullmatch(f)}
     except (CheckpointError, AttributeError):
         return {}  # an unreadable old index: leave its shards alone
-    return {f: identity(os.path.join(directory, f)) for f in sorted(shards - set(filenames))
-            if identity(os.path.join(directory, f)) is not None}
+    return {
+        f: identity(os.path.join(directory, f))
+        for f in sorted(shards - set(filenames))
+        if identity(os.path.join(directory, f)) is not None
+    }
 
 
 def recover(directory: str) -> None:
@@ -175,8 +182,10 @@ def _read_journal(directory: str) -> dict:
             and _ID.fullmatch(save_id)
             and record["staging"] == STAGING_PREFIX + save_id
             and record["entry"] in (SINGLE_NAME, INDEX_NAME)
-            and all(own_name(n) and _ident(m["new"]) and (m["old"] is None or _ident(m["old"]))
-                    for n, m in record["moves"].items())
+            and all(
+                own_name(n) and _ident(m["new"]) and (m["old"] is None or _ident(m["old"]))
+                for n, m in record["moves"].items()
+            )
             and all(n in (SINGLE_NAME, INDEX_NAME) and _ident(i) for n, i in record["aside"].items())
             and all(_SHARD.fullmatch(n) and _ident(i) for n, i in record["remove"].items())
         )
@@ -202,7 +211,9 @@ def _finish(directory: str, record: dict) -> None:
     the one path for a save's own commit and for the recovery of one a crash interrupted."""
     staging = os.path.join(directory, record["staging"])
     aside = [n for n, i in record["aside"].items() if _expect(directory, n, (i,), "set aside") is not None]
-    pending = [n for n, m in record["moves"].items() if _expect(directory, n, (m["new"], m["old"]), "replaced") != m["new"]]
+    pending = [
+        n for n, m in record["moves"].items() if _expect(directory, n, (m["new"], m["old"]), "replaced") != m["new"]
+    ]
     for name in (SINGLE_NAME, INDEX_NAME):  # an entry point the journal does not account for is a newer save's
         move = record["moves"].get(name, {})
         _expect(directory, name, (move.get("new"), move.get("old"), record["aside"].get(name)), "replaced")

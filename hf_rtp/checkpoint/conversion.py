@@ -119,7 +119,7 @@ def _merged(target: str, shape: torch.Size, converter: WeightConverter, groups) 
         len(ops) in (1, 2)
         and isinstance(ops[0], MergeModulelist)
         and ops[0].dim == 0
-        and (len(ops) == 1 or isinstance(ops[1], Concatenate) and ops[1].dim == 1)
+        and (len(ops) == 1 or (isinstance(ops[1], Concatenate) and ops[1].dim == 1))
         and (len(ops) == 2 or len(converter.source_patterns) == 1)
     )
     if not supported:

@@ -75,17 +75,22 @@ class BlockDigests:
     digests: str
 
     @classmethod
-    def from_metadata(cls, path: str, data_start: int, data_size: int, metadata) -> "BlockDigests | None":
+    def from_metadata(cls, path: str, data_start: int, data_size: int, metadata) -> BlockDigests | None:
         if not isinstance(metadata, dict) or DIGESTS_KEY not in metadata:
             return None
         block, digests = metadata.get(SIZE_KEY), metadata[DIGESTS_KEY]
         valid = (
-            isinstance(block, str) and block.isdigit() and 4096 <= int(block) <= 1 << 30
-            and isinstance(digests, str) and len(digests) == _HEX * _blocks(data_size, int(block))
+            isinstance(block, str)
+            and block.isdigit()
+            and 4096 <= int(block) <= 1 << 30
+            and isinstance(digests, str)
+            and len(digests) == _HEX * _blocks(data_size, int(block))
             and re.fullmatch(r"[0-9a-f]*", digests)
         )
         if not valid:
-            raise CheckpointError(f"{path} carries block digests that do not fit its data: it is damaged, save it again")
+            raise CheckpointError(
+                f"{path} carries block digests that do not fit its data: it is damaged, save it again"
+            )
         return cls(path, data_start, data_size, int(block), digests)
 
     def verify(self, offset: int, data: memoryview) -> None:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..distributed.agreement import agreed
-
 from ..errors import CheckpointError
 from .commit import INDEX_NAME, SINGLE_NAME, recover
 from .ownership import read_json
@@ -79,7 +78,9 @@ def find_weights(directory: str) -> CheckpointFiles:
     single = _inside(directory, SINGLE_NAME, directory)
     if os.path.exists(single):
         return CheckpointFiles(directory, (single,))
-    pickles = sorted(os.path.basename(p) for pattern in _PICKLE_PATTERNS for p in glob.glob(os.path.join(directory, pattern)))
+    pickles = sorted(
+        os.path.basename(p) for pattern in _PICKLE_PATTERNS for p in glob.glob(os.path.join(directory, pattern))
+    )
     if pickles:
         raise CheckpointError(
             f"{directory} holds only pickle weights ({', '.join(pickles)}). hf_rtp loads safetensors only: "

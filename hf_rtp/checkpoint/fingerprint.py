@@ -49,8 +49,18 @@ def _headers(paths: list[str]) -> str:
     return "#" + hasher.hexdigest()[:12]
 
 
-def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_bytes, dtype, verify,
-                model_class: str = "AutoModelForCausalLM", reduce_dtype=None) -> dict[str, str]:
+def fingerprint(
+    *,
+    commit,
+    config,
+    entries: dict[str, TensorEntry],
+    plan,
+    piece_bytes,
+    dtype,
+    verify,
+    model_class: str = "AutoModelForCausalLM",
+    reduce_dtype=None,
+) -> dict[str, str]:
     """`plan` as given to from_pretrained: a Plan (its rules count) or a name ("auto", a model_type)."""
     import transformers
 
@@ -66,9 +76,9 @@ def fingerprint(*, commit, config, entries: dict[str, TensorEntry], plan, piece_
             json.dumps(sorted((n, str(e.dtype), list(e.shape)) for n, e in entries.items())).encode()
         ),
         "weight file headers": _headers(sorted({e.path for e in entries.values()}, key=os.path.basename)),
-        "plan": plan if isinstance(plan, str) else f"{plan.name} " + _digest(
-            json.dumps([sorted(plan.rotate.items()), list(plan.replicate)]).encode()
-        ),
+        "plan": plan
+        if isinstance(plan, str)
+        else f"{plan.name} " + _digest(json.dumps([sorted(plan.rotate.items()), list(plan.replicate)]).encode()),
         "rotation_piece_size": f"{piece_bytes} bytes",
         "dtype": str(dtype),
         "verify_weights": verify,
@@ -217,7 +227,9 @@ def agree_on_read(read: dict[str, str], identities: dict[str, tuple], entries: d
     changed = [name for name, e in _files(entries).items() if file_identity(e.path) != identities.get(name)]
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if changed:
-            raise CheckpointError(f"{', '.join(changed)} changed while it was being read: load again once it is complete")
+            raise CheckpointError(
+                f"{', '.join(changed)} changed while it was being read: load again once it is complete"
+            )
         return
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (read, changed), group=group)

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..log import warning
+from ..distributed.sharding import chunk_rows
 from ..distributed.topology import Topology
+from ..log import warning
 from ..model.ties import tie_targets
 from ..plans import Resolution
-from ..distributed.sharding import chunk_rows
 from .conversion import Source, own, stored_sources
 from .safetensors_io import TensorEntry, read_rows
 

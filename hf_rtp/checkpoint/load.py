@@ -6,16 +6,16 @@ import torch
 from torch import nn
 
 from .. import faults
+from ..distributed.agreement import agreed
 from ..errors import CheckpointError
 from ..layers.common import local
 from ..log import progress
-from ..distributed.agreement import agreed
+from ..model.state import rotated_module, state_of
 from .commit import recover
-from .files import find_weights
 from .digests import overlapped
+from .files import find_weights
 from .fingerprint import agree_on_read, prove_files, tensor_digest
 from .keys import Want, wants_for
-from ..model.state import rotated_module, state_of
 from .safetensors_io import TensorEntry
 
 
@@ -33,7 +33,10 @@ def read_proven(
 
 
 def read_local(
-    entries: dict[str, TensorEntry], wants: dict[str, Want], dtype: torch.dtype, device: torch.device,
+    entries: dict[str, TensorEntry],
+    wants: dict[str, Want],
+    dtype: torch.dtype,
+    device: torch.device,
     compare: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read every wanted tensor (or its rows) from disk, checked against the model's shapes; and the

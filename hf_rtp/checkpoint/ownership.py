@@ -119,7 +119,7 @@ class FolderLock:
     def __init__(self, path: str, what: str):
         self.path, self.what, self._fd = path, what, None
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self) -> FolderLock:
         for _ in range(5):  # the previous holder may unlink the file between our open and our lock
             fd = self._open()
             try:

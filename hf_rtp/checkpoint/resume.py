@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import faults
-from ..errors import CheckpointError, HfRtpError
 from ..distributed.agreement import agreed
+from ..errors import CheckpointError, HfRtpError
 from ..model.state import state_of
 from .atomic import recover_folder, replace_folder
 from .ownership import FolderLock, is_real_dir, read_json, write_json
@@ -74,7 +74,9 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                 _check_target(directory)
                 recover_folder(directory, _is_complete, _own_names, clean=True)
                 if os.path.lexists(partial):
-                    raise CheckpointError(f"{partial} is in the way of this save and was not written by hf_rtp: move it away")
+                    raise CheckpointError(
+                        f"{partial} is in the way of this save and was not written by hf_rtp: move it away"
+                    )
                 os.mkdir(partial)
                 write_json(os.path.join(partial, MARKER), {"hf_rtp_state": True})
         _, optim_sd, flat = _tensors(model, optimizer)
@@ -115,7 +117,11 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     group, rank = _control(model), dist.get_rank() if dist.is_initialized() else 0
     with agreed(group, CheckpointError):
         # a swap a crash interrupted: put the newer complete folder in place (nothing else is touched)
-        if rank == 0 and not os.path.lexists(directory) and any(os.path.lexists(directory + s) for s in (".partial", ".old")):
+        if (
+            rank == 0
+            and not os.path.lexists(directory)
+            and any(os.path.lexists(directory + s) for s in (".partial", ".old"))
+        ):
             with FolderLock(directory + ".lock", directory):
                 recover_folder(directory, _is_complete, _own_names, clean=False)
     model_sd, optim_sd, flat = _tensors(model, optimizer)
@@ -197,7 +203,9 @@ def _own_names(folder: str) -> list[str] | None:
     if not all(_own_name(n) for n in names):
         return None
     try:
-        if MARKER in names and read_json(os.path.join(folder, MARKER), "marker", 4096, follow_links=False) == {"hf_rtp_state": True}:
+        if MARKER in names and read_json(os.path.join(folder, MARKER), "marker", 4096, follow_links=False) == {
+            "hf_rtp_state": True
+        }:
             return names
         state = read_json(os.path.join(folder, STATE_FILE), "training state", follow_links=False)
     except CheckpointError:

@@ -14,8 +14,8 @@ import json
 import math
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -196,7 +196,10 @@ class StreamingWriter:
     the same length, is rewritten with the block digests when the file is closed."""
 
     def __init__(
-        self, path: str, layout: list[tuple[str, torch.dtype, torch.Size]], metadata: dict[str, str],
+        self,
+        path: str,
+        layout: list[tuple[str, torch.dtype, torch.Size]],
+        metadata: dict[str, str],
         block_bytes: int = BLOCK_BYTES,
     ):
         self._order, self._layout, self._block, offset = [], layout, block_bytes, 0
@@ -217,7 +220,11 @@ class StreamingWriter:
         offset = 0
         for name, dtype, shape in self._layout:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         return encoded + b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment

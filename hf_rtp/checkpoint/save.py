@@ -22,10 +22,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import faults
-from ..log import info, progress, warning
 from ..distributed.agreement import Attempts, agreed
-from ..distributed.topology import Topology
 from ..distributed.sharding import ChunkLayout
+from ..distributed.topology import Topology
+from ..log import info, progress, warning
 from ..model.state import state_of
 from ..model.ties import tie_targets
 from ..settings import parse_size
@@ -190,7 +190,11 @@ def save_pretrained(
     finally:
         bar.close()
         # a staging folder a journal names holds part of the new checkpoint: the next load finishes it
-        if staging is not None and os.path.isdir(staging) and not os.path.lexists(os.path.join(save_directory, commit.JOURNAL)):
+        if (
+            staging is not None
+            and os.path.isdir(staging)
+            and not os.path.lexists(os.path.join(save_directory, commit.JOURNAL))
+        ):
             commit.remove_staging(staging)
         if lock is not None:
             lock.release()

@@ -9,8 +9,8 @@ cannot meet the others (work interleaved with transfers collects its failure in 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch.distributed as dist
 

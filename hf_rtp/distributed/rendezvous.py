@@ -15,11 +15,23 @@ import torch.distributed as dist
 
 from ..errors import CollectiveMisuseError
 
-_CALLS = {zlib.crc32(c.encode()): c for c in ("forward", "generate", "save_pretrained", "push_to_hub", "resize_token_embeddings", "full_tensor", "redistribute")}
+_CALLS = {
+    zlib.crc32(c.encode()): c
+    for c in (
+        "forward",
+        "generate",
+        "save_pretrained",
+        "push_to_hub",
+        "resize_token_embeddings",
+        "full_tensor",
+        "redistribute",
+    )
+}
 
 
-def enter(call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta,
-          who: str = "rank") -> None:
+def enter(
+    call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta, who: str = "rank"
+) -> None:
     """Meet every other rank (`who`: every rank of the ring, say) at the start of `call` on the `entry`
     group, or fail on every rank that came."""
     if world_size == 1:

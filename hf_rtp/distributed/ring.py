@@ -26,7 +26,7 @@ reduce_dtype says otherwise) and come home cast to the parameter's dtype.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,8 +164,13 @@ class Ring:
         """What weights travel in: `dtype` (the matmuls') where it is a narrower float than the
         parameter's, so a cast at the matmul would have made the same values; else the parameter's."""
         like = own[0]
-        if (dtype is None or self.size == 1 or not like.is_floating_point() or not dtype.is_floating_point
-                or torch.finfo(dtype).bits >= torch.finfo(like.dtype).bits):
+        if (
+            dtype is None
+            or self.size == 1
+            or not like.is_floating_point()
+            or not dtype.is_floating_point
+            or torch.finfo(dtype).bits >= torch.finfo(like.dtype).bits
+        ):
             return like.dtype
         return dtype
 
@@ -173,8 +178,13 @@ class Ring:
         """This rank's piece in the travel dtype: a cast copy of one piece at most, made once per walk."""
         return [t.to(dtype) if t.is_floating_point() else t for t in self._own_piece(own, layout, rows)]
 
-    def forward_walk(self, own: Bundle, layout: ChunkLayout, compute: Callable[[Rows, Bundle], None],
-                     dtype: torch.dtype | None = None) -> None:
+    def forward_walk(
+        self,
+        own: Bundle,
+        layout: ChunkLayout,
+        compute: Callable[[Rows, Bundle], None],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Call `compute(rows, piece)` for every piece of every chunk, own chunk first, while the next
         piece is in flight. `rows` are the piece's global rows [start, end). `dtype`: what the
         matmuls run in (travel_dtype)."""
@@ -188,7 +198,9 @@ class Ring:
                 last = step == self.size - 1
                 if not last:
                     following = (index - 1) % self.size
-                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), like)
+                    incoming = self.pool.take(
+                        "weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), like
+                    )
                     pending = self._exchange(held, incoming, _WEIGHT_TAG)
                 compute(layout.piece(index, p, pieces), held)
                 if not last:
@@ -233,7 +245,11 @@ class Ring:
         home = [reduced.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
         for p in range(pieces):
             index = self.rank
-            held = self._held(own, layout, layout.piece(index, p, pieces), travel.dtype) if input_grad is not None else None
+            held = (
+                self._held(own, layout, layout.piece(index, p, pieces), travel.dtype)
+                if input_grad is not None
+                else None
+            )
             acc = None
             for step in range(self.size):
                 last = step == self.size - 1
@@ -274,7 +290,6 @@ class Ring:
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
 
-
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.
 
@@ -294,7 +309,9 @@ class Ring:
             first = layout.bounds(self.rank)[0]
             for lo, hi in pieces(self.rank):
                 piece = own[lo - first : hi - first].contiguous()
-                Pending([dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG)]).wait()
+                Pending(
+                    [dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG)]
+                ).wait()
             return
 
         for lo, hi in pieces(0):

@@ -53,8 +53,15 @@ class RotationMesh(DeviceMesh):
     entry_timeout: timedelta
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, device_type: str, replicas: dist.ProcessGroup | None,
-           replica_count: int, entry: dist.ProcessGroup, entry_timeout: timedelta) -> "RotationMesh":
+    def of(
+        cls,
+        group: dist.ProcessGroup,
+        device_type: str,
+        replicas: dist.ProcessGroup | None,
+        replica_count: int,
+        entry: dist.ProcessGroup,
+        entry_timeout: timedelta,
+    ) -> RotationMesh:
         """The 1-D `rtp` mesh over a ring's `group`. DeviceMesh offers no constructor from a group that a
         subclass can extend, so torch's `from_group` builds it and this class is set on the result."""
         mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("rtp",))
@@ -156,10 +163,10 @@ class RotatedTensor(DTensor):
         return out
 
     # nn.Parameter(t) and Module._apply need detach(), copy.deepcopy needs clone(), to keep the class
-    def detach(self) -> "RotatedTensor":
+    def detach(self) -> RotatedTensor:
         return _marked(DTensor.detach(self))
 
-    def clone(self, *args, **kwargs) -> "RotatedTensor":
+    def clone(self, *args, **kwargs) -> RotatedTensor:
         return _marked(DTensor.clone(self, *args, **kwargs))
 
     def untyped_storage(self):
@@ -268,18 +275,24 @@ class _LocalChunk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
-        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = param.device_mesh, param.placements, param.shape, param.stride()
+        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = (
+            param.device_mesh,
+            param.placements,
+            param.shape,
+            param.stride(),
+        )
         chunk = param._local_tensor
         return chunk.view_as(chunk)  # a fresh tensor object: autograd writes its metadata into it
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = DTensor.from_local(grad.contiguous(), ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,
-                                  stride=ctx.stride)
+        grad = DTensor.from_local(
+            grad.contiguous(), ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride
+        )
         return _marked(grad)
 
 
-def local_chunk(param: "RotatedTensor") -> torch.Tensor:
+def local_chunk(param: RotatedTensor) -> torch.Tensor:
     """This rank's chunk of a rotated parameter, connected to autograd (see _LocalChunk)."""
     return _LocalChunk.apply(param)
 

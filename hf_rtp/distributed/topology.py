@@ -114,9 +114,12 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     ring = Ring(ring_groups.get(row), settings.piece_bytes, replicas, replica_count, settings.reduce_dtype)
     mesh = None
     if len(row) > 1:
-        mesh = RotationMesh.of(mesh_groups[row], device.type, replicas, replica_count, ring_entries[row],
-                               settings.entry_timeout)
-    return Topology(rank, world, device, mesh, ring, control, entry, settings.entry_timeout, world_group, dp_rank, len(rows))
+        mesh = RotationMesh.of(
+            mesh_groups[row], device.type, replicas, replica_count, ring_entries[row], settings.entry_timeout
+        )
+    return Topology(
+        rank, world, device, mesh, ring, control, entry, settings.entry_timeout, world_group, dp_rank, len(rows)
+    )
 
 
 def _single(settings: Settings) -> Topology:

@@ -24,14 +24,17 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, TopologyError
-from ..settings import collective_timeout
 from ..model.state import rotated_module, state_of
+from ..settings import collective_timeout
 
 STATE_DIR = "hf_rtp_state_{}"
 
 
 def check_processes(
-    num_processes: int, world_size: int, what: str = "accelerate", fix: str = "build Accelerator(cpu=True) (hf_rtp.Accelerator does)"
+    num_processes: int,
+    world_size: int,
+    what: str = "accelerate",
+    fix: str = "build Accelerator(cpu=True) (hf_rtp.Accelerator does)",
 ) -> None:
     if num_processes != world_size:
         raise TopologyError(
@@ -57,7 +60,9 @@ class Accelerator(accelerate.Accelerator):
             # group it creates, 30 minutes by default: give them hf_rtp's timeout, so a stopped rank
             # ends the run within HF_RTP_TIMEOUT wherever the others wait for it
             handlers.append(InitProcessGroupKwargs(timeout=collective_timeout()))
-        super().__init__(*args, cpu=not torch.cuda.is_available() if cpu is None else cpu, kwargs_handlers=handlers, **kwargs)
+        super().__init__(
+            *args, cpu=not torch.cuda.is_available() if cpu is None else cpu, kwargs_handlers=handlers, **kwargs
+        )
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         state = state_of(model, required=False)

@@ -140,7 +140,9 @@ def _stand_in_for_trainable_tokens() -> None:
         init_weights = config.init_weights if config is not None else kwargs.get("init_weights", True)
         self.token_indices[adapter_name] = indices
         originals = rows_of(weight, list(indices))
-        values = originals if init_weights else torch.randn(originals.shape, dtype=originals.dtype, device=originals.device)
+        values = (
+            originals if init_weights else torch.randn(originals.shape, dtype=originals.dtype, device=originals.device)
+        )
         self.trainable_tokens_delta[adapter_name] = nn.Parameter(values.clone(), requires_grad=True)
         self.trainable_tokens_original[adapter_name] = originals.detach().clone()
         self._move_adapter_to_device_of_base_layer(adapter_name)
@@ -148,8 +150,12 @@ def _stand_in_for_trainable_tokens() -> None:
     @functools.wraps(forward)
     def forward_adapters(self, x, active_adapters, *args, **kwargs):
         base = self.base_layer
-        if not isinstance(base, (RotatedEmbedding, RotatedLinear)) or self.disable_adapters or not active_adapters \
-                or self.merged:
+        if (
+            not isinstance(base, (RotatedEmbedding, RotatedLinear))
+            or self.disable_adapters
+            or not active_adapters
+            or self.merged
+        ):
             return forward(self, x, active_adapters, *args, **kwargs)
         self._check_overlapping_tokens(active_adapters)
         result = base(x, *args, **kwargs)
@@ -195,7 +201,9 @@ def _refuse_merges_peft_gets_wrong() -> None:
     def merge(self, safe_merge=False, adapter_names=None):
         variants = [a for a in (adapter_names or self.active_adapters) if a in self.lora_variant]
         if variants and isinstance(self.get_base_layer().weight, RotatedTensor):
-            raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(self.lora_variant[variants[0]]).__name__} adapters"))
+            raise RotatedStateError(
+                _MERGE_REFUSED.format(what=f"{type(self.lora_variant[variants[0]]).__name__} adapters")
+            )
         return lora_merge(self, safe_merge, adapter_names)
 
     @functools.wraps(tokens_merge)

@@ -36,8 +36,8 @@ from ..errors import IntegrationError
 from ..log import warning
 from ..model.state import rotated_module, state_of
 from . import trl
-from .peft import adapter_state_dict
 from .accelerate import check_processes
+from .peft import adapter_state_dict
 
 STATE_DIR = "hf_rtp_state"
 TESTED = ((5, 0), (5, 24))  # transformers versions whose Trainer these replacements were checked against
@@ -51,8 +51,14 @@ _REPLACED = {
 }
 _ATTACHED = "_hf_rtp_attached"
 # Trainer methods that call the model's forward: where `check_attached` looks for an unattached Trainer
-_CALLERS = ("compute_loss", "prediction_step", "training_step", "_get_per_token_logps_and_entropies",
-            "_compute_loss", "concatenated_forward")
+_CALLERS = (
+    "compute_loss",
+    "prediction_step",
+    "training_step",
+    "_get_per_token_logps_and_entropies",
+    "_compute_loss",
+    "concatenated_forward",
+)
 
 
 def attach_trainer(trainer):
@@ -72,7 +78,9 @@ def _attach(trainer, model):
         return trainer
     if model is None or rotated_module(model) is None:
         raise IntegrationError(f"{type(trainer).__name__}.model holds no model loaded with hf_rtp.from_pretrained")
-    check_processes(trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)")
+    check_processes(
+        trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)"
+    )
     _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))
@@ -113,8 +121,10 @@ def check_attached() -> None:
     is attached now, before it can save or resume; it is never left to save rank 0's rows."""
     trainer = _trainer_in_stack(_CALLERS, depth=40)
     if trainer is not None and not trainer.__dict__.get(_ATTACHED):
-        warning(f"{type(trainer).__name__} was not attached to hf_rtp when it was built (it did not move the model "
-                "to its device); attaching it at its first forward. Call hf_rtp.attach_trainer(trainer) after building it")
+        warning(
+            f"{type(trainer).__name__} was not attached to hf_rtp when it was built (it did not move the model "
+            "to its device); attaching it at its first forward. Call hf_rtp.attach_trainer(trainer) after building it"
+        )
         attach_trainer(trainer)
 
 

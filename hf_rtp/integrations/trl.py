@@ -50,16 +50,24 @@ def adopt(trainer) -> None:
     hierarchy through hf_rtp."""
     _warn_whole_reward_models(trainer)
     modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
-    for name, replacement in (("add_fused_lm_head", add_fused_lm_head), ("create_model_from_path", create_model_from_path)):
+    for name, replacement in (
+        ("add_fused_lm_head", add_fused_lm_head),
+        ("create_model_from_path", create_model_from_path),
+    ):
         originals = [getattr(m, name, None) for m in modules]
         if not any(o is not None and not hasattr(o, _ORIGINAL) for o in originals):
             continue
         reason = _unsupported(name)
         if reason is not None:
-            log.warning(f"hf_rtp leaves TRL's {name} alone ({reason}): " + (
-                "with fused_lm_head=True it gathers the whole LM head on every rank" if name == "add_fused_lm_head"
-                else "a reference model TRL builds from the policy's path is a whole copy on every rank; pass "
-                "ref_model=hf_rtp.from_pretrained(path) instead"))
+            log.warning(
+                f"hf_rtp leaves TRL's {name} alone ({reason}): "
+                + (
+                    "with fused_lm_head=True it gathers the whole LM head on every rank"
+                    if name == "add_fused_lm_head"
+                    else "a reference model TRL builds from the policy's path is a whole copy on every rank; pass "
+                    "ref_model=hf_rtp.from_pretrained(path) instead"
+                )
+            )
             continue
         for module, original in zip(modules, originals):
             if original is not None and not hasattr(original, _ORIGINAL):
@@ -77,15 +85,19 @@ def create_model_from_path(model_id, architecture=None, *, original, **kwargs):
     if state is None or state.load_like is None or model_id != getattr(policy.config, "_name_or_path", None):
         return original(model_id, architecture, **kwargs)
     if kwargs.pop("quantization_config", None) is not None:
-        raise IntegrationError(f"{type(trainer).__name__} asks for a quantized reference model; hf_rtp loads float weights "
-                               "only. Pass ref_model= yourself, or drop the quantization config")
+        raise IntegrationError(
+            f"{type(trainer).__name__} asks for a quantized reference model; hf_rtp loads float weights "
+            "only. Pass ref_model= yourself, or drop the quantization config"
+        )
     if kwargs.pop("device_map", None) not in (None, "auto"):
         raise IntegrationError("hf_rtp places the reference model itself, one chunk per rank: drop device_map")
     if kwargs.pop("trust_remote_code", False):
         raise IntegrationError("hf_rtp does not load remote code: the reference model must be a transformers class")
     reference = state.load_like(model_id, auto_class=architecture, **kwargs)
-    log.info(f"{type(trainer).__name__}'s reference model is rotated like the policy: "
-             f"{_bytes_here(reference) / 2**20:.1f} MB of weights on this rank")
+    log.info(
+        f"{type(trainer).__name__}'s reference model is rotated like the policy: "
+        f"{_bytes_here(reference) / 2**20:.1f} MB of weights on this rank"
+    )
     return reference
 
 
@@ -111,7 +123,11 @@ def replace_installed_head(model) -> None:
     TRL's forward keeps what it was given in its closure; without those names hf_rtp refuses."""
     forward = getattr(model.forward, "__func__", None)
     # functools.wraps gave it the model's forward's names: the code and the globals tell whose it is
-    if forward is None or forward.__code__.co_name != "_fused_forward" or not forward.__globals__.get("__name__", "").startswith("trl."):
+    if (
+        forward is None
+        or forward.__code__.co_name != "_fused_forward"
+        or not forward.__globals__.get("__name__", "").startswith("trl.")
+    ):
         return
     given = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__ or ())))
     wanted = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs")
@@ -125,8 +141,13 @@ def replace_installed_head(model) -> None:
     from trl.trainer import utils
 
     model.forward = given["original_forward"]
-    add_fused_lm_head(model, given["temperature"], given["cast_lm_head_to_fp32"], tuple(given["outputs"]),
-                      original=utils.add_fused_lm_head)
+    add_fused_lm_head(
+        model,
+        given["temperature"],
+        given["cast_lm_head_to_fp32"],
+        tuple(given["outputs"]),
+        original=utils.add_fused_lm_head,
+    )
 
 
 def _unsupported(name: str = "add_fused_lm_head") -> str | None:
@@ -150,8 +171,14 @@ def _why_not(model, temperature, cast_lm_head_to_fp32, outputs) -> str | None:
     return read_head(model)[1]
 
 
-def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                      outputs: tuple[str, ...] = ("log_probs",), *, original) -> None:
+def add_fused_lm_head(
+    model,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    *,
+    original,
+) -> None:
     """TRL's `add_fused_lm_head`, with the rotated loss for rotated models (see the module docstring)."""
     if not is_rotated(model):
         return original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
@@ -192,7 +219,9 @@ def install(model, outputs: tuple[str, ...]) -> None:
         results = token_losses(self, hidden[mask], labels[mask], text_config.vocab_size, transforms, stats=stats)
         nll, entropy, top1 = results if stats else (results, None, None)
 
-        def spread(x):  # back to [batch, seq], zero where ignored; masked_scatter keeps an all-ignored batch in the graph
+        def spread(
+            x,
+        ):  # back to [batch, seq], zero where ignored; masked_scatter keeps an all-ignored batch in the graph
             return None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
 
         log_probs = spread(-nll)
@@ -201,11 +230,20 @@ def install(model, outputs: tuple[str, ...]) -> None:
         if kwargs.get("output_router_logits"):
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-            aux_loss = load_balancing_loss_func(backbone.router_logits, text_config.num_experts,
-                                                text_config.num_experts_per_tok, kwargs.get("attention_mask"))
+            aux_loss = load_balancing_loss_func(
+                backbone.router_logits,
+                text_config.num_experts,
+                text_config.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
         return FusedCausalLMOutput(
-            loss=loss, log_probs=log_probs, entropy=spread(entropy) if "entropy" in outputs else None,
-            is_top1=spread(top1) if "is_top1" in outputs else None, label_mask=mask, aux_loss=aux_loss)
+            loss=loss,
+            log_probs=log_probs,
+            entropy=spread(entropy) if "entropy" in outputs else None,
+            is_top1=spread(top1) if "is_top1" in outputs else None,
+            label_mask=mask,
+            aux_loss=aux_loss,
+        )
 
     model.forward = types.MethodType(forward, model)

@@ -90,13 +90,16 @@ class RotatedEmbedding(nn.Embedding):
         return out if embed_scale is None else out * embed_scale.to(out.dtype)
 
 
-_SCALED_FORWARD = "def forward(self, input_ids):\n    return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+_SCALED_FORWARD = (
+    "def forward(self, input_ids):\n    return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+)
 
 
 def _is_scaled(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "embed_scale", None), torch.Tensor) and source_text(
-        type(module).forward
-    ) == _SCALED_FORWARD
+    return (
+        isinstance(getattr(module, "embed_scale", None), torch.Tensor)
+        and source_text(type(module).forward) == _SCALED_FORWARD
+    )
 
 
 def embedding_refusal(module: nn.Module) -> str | None:

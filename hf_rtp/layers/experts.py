@@ -58,7 +58,7 @@ def _back(grad: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.T
 
 class _RotatedExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, top_k_index, top_k_weights, experts: "RotatedExperts", dtype, *weights):
+    def forward(ctx, hidden, top_k_index, top_k_weights, experts: RotatedExperts, dtype, *weights):
         # `dtype`: the matmuls' (autocast's, if on); the output keeps the residual stream's, as in vanilla
         routes = _Routes(top_k_index, experts.layout.rows)
         transposed = experts.is_transposed
@@ -139,8 +139,16 @@ class _RotatedExpertsFn(torch.autograd.Function):
 class RotatedExperts(nn.Module):
     """Replaces a fused experts module; same parameter names, Shard(0) over experts."""
 
-    def __init__(self, source: nn.Module, *, ring: Ring, gate_up_proj: nn.Parameter, down_proj: nn.Parameter,
-                 gate_up_proj_bias: nn.Parameter | None = None, down_proj_bias: nn.Parameter | None = None):
+    def __init__(
+        self,
+        source: nn.Module,
+        *,
+        ring: Ring,
+        gate_up_proj: nn.Parameter,
+        down_proj: nn.Parameter,
+        gate_up_proj_bias: nn.Parameter | None = None,
+        down_proj_bias: nn.Parameter | None = None,
+    ):
         super().__init__()
         self.num_experts = gate_up_proj.shape[0]
         self.is_transposed = bool(source.is_transposed)
@@ -148,8 +156,12 @@ class RotatedExperts(nn.Module):
         self.intermediate_dim = down_proj.shape[1] if self.is_transposed else down_proj.shape[2]
         # the class's own gate (a bound method, not a submodule): act(gate) * up, or gpt-oss's GLU
         self.apply_gate = source._apply_gate
-        given = dict(gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_proj_bias=gate_up_proj_bias,
-                     down_proj_bias=down_proj_bias)
+        given = dict(
+            gate_up_proj=gate_up_proj,
+            down_proj=down_proj,
+            gate_up_proj_bias=gate_up_proj_bias,
+            down_proj_bias=down_proj_bias,
+        )
         for leaf in [*source._parameters, *given]:  # the source's order first: named_parameters() as vanilla
             if leaf not in self._parameters:
                 setattr(self, leaf, given[leaf])
@@ -160,8 +172,9 @@ class RotatedExperts(nn.Module):
         biases = [self.gate_up_proj_bias, self.down_proj_bias] if self.gate_up_proj_bias is not None else []
         return [self.gate_up_proj, self.down_proj, *biases]
 
-    def forward(self, hidden_states, top_k_index=None, top_k_weights=None, *, router_indices=None,
-                routing_weights=None):
+    def forward(
+        self, hidden_states, top_k_index=None, top_k_weights=None, *, router_indices=None, routing_weights=None
+    ):
         top_k_index = router_indices if top_k_index is None else top_k_index  # gpt-oss's names
         top_k_weights = routing_weights if top_k_weights is None else top_k_weights
         dtype = autocast_dtype(hidden_states) or hidden_states.dtype
@@ -172,7 +185,9 @@ class RotatedExperts(nn.Module):
 def experts_refusal(module: nn.Module) -> str | None:
     """Why the experts kind cannot reproduce this module exactly, or None when it can."""
     params = dict(module.named_parameters(recurse=False))
-    if not {"gate_up_proj", "down_proj"} <= set(params) or any(params[n].dim() != 3 for n in ("gate_up_proj", "down_proj")):
+    if not {"gate_up_proj", "down_proj"} <= set(params) or any(
+        params[n].dim() != 3 for n in ("gate_up_proj", "down_proj")
+    ):
         return "it holds no fused 3-D gate_up_proj and down_proj"
     if any(not hasattr(module, flag) for flag in _FLAGS) or not hasattr(type(module).forward, "__wrapped__"):
         return "its class is not declared through transformers' use_experts_implementation"

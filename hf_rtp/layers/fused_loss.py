@@ -83,8 +83,9 @@ def _tiles(tokens: int, rows: int, elements: int) -> list[tuple[int, int, int, i
     if wide < rows:
         wide = max(ROW_ALIGN, wide // ROW_ALIGN * ROW_ALIGN)
     tall = max(1, min(tokens, elements // wide))
-    return [(r, min(r + wide, rows), b, min(b + tall, tokens))
-            for r in range(0, rows, wide) for b in range(0, tokens, tall)]
+    return [
+        (r, min(r + wide, rows), b, min(b + tall, tokens)) for r in range(0, rows, wide) for b in range(0, tokens, tall)
+    ]
 
 
 def _piece_blocks(h: torch.Tensor, targets: torch.Tensor, rows, piece, transform: HeadTransform):
@@ -186,14 +187,18 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                 bundle,
                 layout,
                 through_piece if wants_weight_grad else None,
-                (lambda rows, piece: None) if wants_weight_grad else (lambda rows, piece: through_piece(rows, piece, None)),
+                (lambda rows, piece: None)
+                if wants_weight_grad
+                else (lambda rows, piece: through_piece(rows, piece, None)),
                 dtype=h.dtype,
             )
         grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
         return grad_h, grad_weight, grad_bias, None, None, None, None, None
 
 
-def fused_cross_entropy(h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform) -> torch.Tensor:
+def fused_cross_entropy(
+    h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform
+) -> torch.Tensor:
     """Per-token -log p(target) (float32) of hidden states `h` [tokens, hidden] through a rotated head."""
     return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, False)
 

@@ -55,4 +55,3 @@ def sync_grads(model: nn.Module) -> None:
         flat.div_(topology.world_size)
         for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
             g.copy_(synced)
-

@@ -38,7 +38,9 @@ _TRANSFORMS = {
     "logits = logits / self.config.logits_scaling": ("divide", "config.logits_scaling"),
     "if self.config.final_logit_softcapping is not None:\n    logits = logits / self.config.final_logit_softcapping\n"
     "    logits = torch.tanh(logits)\n    logits = logits * self.config.final_logit_softcapping": (
-        "softcap", "config.final_logit_softcapping"),
+        "softcap",
+        "config.final_logit_softcapping",
+    ),
 }
 
 
@@ -51,8 +53,13 @@ class _Renamer(ast.NodeTransformer):
 
 
 def _is_self_call(node, attribute: str) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attribute
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attribute
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    )
 
 
 def _names(node) -> set[str]:
@@ -67,19 +74,28 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
     if not isinstance(head, RotatedLinear) or attribute is None:
         return [], "its LM head is not a rotated linear layer of the model itself"
     own = model.__dict__.get("_loss_function")  # set on this model: by hf_rtp (accepted) or by its user
-    if not (getattr(own, "hf_rtp_fused", False) or own is None and model.loss_function is ForCausalLMLoss):
+    if not (getattr(own, "hf_rtp_fused", False) or (own is None and model.loss_function is ForCausalLMLoss)):
         return [], "its loss is not transformers' ForCausalLMLoss"
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return [], "the source of its forward is not available"
     body = tree.body
-    at = next((i for i, s in enumerate(body) if isinstance(s, ast.Assign) and len(s.targets) == 1
-               and isinstance(s.targets[0], ast.Name) and _is_self_call(s.value, attribute)), None)
+    at = next(
+        (
+            i
+            for i, s in enumerate(body)
+            if isinstance(s, ast.Assign)
+            and len(s.targets) == 1
+            and isinstance(s.targets[0], ast.Name)
+            and _is_self_call(s.value, attribute)
+        ),
+        None,
+    )
     if at is None:
         return [], f"its forward does not compute `logits = self.{attribute}(hidden_states)`"
     name = body[at].targets[0].id
-    transforms, rest = [], body[at + 1:]
+    transforms, rest = [], body[at + 1 :]
     while rest and not (isinstance(rest[0], ast.If) and ast.unparse(rest[0].test) == "labels is not None"):
         text = ast.unparse(_Renamer(name).visit(rest.pop(0)))
         if text == "loss = None":
@@ -87,8 +103,11 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
         if text not in _TRANSFORMS:
             return [], f"its forward transforms the logits in a way the fused loss does not reproduce: `{text}`"
         transforms.append(_TRANSFORMS[text])
-    if not rest or not rest[0].body or not (isinstance(rest[0].body[0], ast.Assign)
-                                             and _is_self_call(rest[0].body[0].value, "loss_function")):
+    if (
+        not rest
+        or not rest[0].body
+        or not (isinstance(rest[0].body[0], ast.Assign) and _is_self_call(rest[0].body[0].value, "loss_function"))
+    ):
         return [], "its forward does not call self.loss_function(logits, labels, ...) right after the head"
     call = rest[0].body[0].value
     first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
@@ -97,7 +116,8 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
     # after the loss the logits may only be returned (they come back as None)
     for statement in rest[0].body[1:] + rest[1:]:
         returned = isinstance(statement, ast.Return) or (
-            isinstance(statement, ast.If) and ast.unparse(statement.test) == "not return_dict")
+            isinstance(statement, ast.If) and ast.unparse(statement.test) == "not return_dict"
+        )
         if name in _names(statement) and not returned:
             return [], f"its forward uses the logits after the loss: `{ast.unparse(statement).splitlines()[0]}`"
     return transforms, None
@@ -120,8 +140,9 @@ def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-1
     `transforms` (from `read_head`); with `stats`, also (entropy, is_top1) as `fused_token_stats`."""
     head = model.get_output_embeddings()
     transform = HeadTransform(**{field: operator.attrgetter(path)(model) for field, path in transforms})
-    torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(),
-                        f"labels must be {ignore_index} or lie in [0, {vocab_size})")
+    torch._assert_async(
+        ((targets >= 0) & (targets < vocab_size)).all(), f"labels must be {ignore_index} or lie in [0, {vocab_size})"
+    )
     fn = fused_token_stats if stats else fused_cross_entropy
     return fn(cast_for_matmul(hidden), local(head.weight), local(head.bias), targets, head.ring, head.layout, transform)
 
@@ -132,14 +153,17 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
     docstring). Returns whether the fused loss is on."""
     transforms, reason = read_head(model) if fused else ([], None)
     if fused and reason is not None:
-        log.warning(f"{type(model).__name__}: the fused LM-head loss is off, because {reason}; "
-                 "the loss is computed from full logits")
+        log.warning(
+            f"{type(model).__name__}: the fused LM-head loss is off, because {reason}; "
+            "the loss is computed from full logits"
+        )
     fused = fused and reason is None
     capture = _Capture()
     head_name = next((n for n, m in model.named_children() if m is model.get_output_embeddings()), None)
 
-    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                      **kwargs):
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
         if not capture.active:
             return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         hidden, capture.hidden, capture.active = capture.hidden, None, False
@@ -147,8 +171,9 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = shift_labels.reshape(-1).to(hidden.device)
         keep = targets != ignore_index
-        per_token = token_losses(model, hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep], vocab_size,
-                                 transforms, ignore_index)
+        per_token = token_losses(
+            model, hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep], vocab_size, transforms, ignore_index
+        )
         if num_items_in_batch is None:
             return per_token.sum() / keep.sum()  # vanilla's mean over kept tokens (nan when there are none)
         if torch.is_tensor(num_items_in_batch):
@@ -158,7 +183,13 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
     @functools.wraps(type(model).forward)  # generate and Trainer read the model's signature through it
     def forward(self, *args, return_logits: bool = False, **kwargs):
         plain = type(self).forward
-        if not fused or return_logits or not self.training or kwargs.get("labels") is None or kwargs.get("logits_to_keep"):
+        if (
+            not fused
+            or return_logits
+            or not self.training
+            or kwargs.get("labels") is None
+            or kwargs.get("logits_to_keep")
+        ):
             return plain(self, *args, **kwargs)
         head = getattr(self, head_name)
         # replaced since loading: a PEFT adapter on the head, a user's own loss_function

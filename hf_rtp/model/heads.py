@@ -44,7 +44,9 @@ def model_class(auto_class, config):
         stored = next(iter(getattr(config, "architectures", None) or []), "")
         for suffix, loader in _OTHER_HEADS.items():
             if stored.endswith(suffix):
-                how = f"load it with {loader}.from_pretrained(...)" if loader else f"hf_rtp does not load {suffix} heads"
+                how = (
+                    f"load it with {loader}.from_pretrained(...)" if loader else f"hf_rtp does not load {suffix} heads"
+                )
                 raise UnsupportedModelError(
                     f"this checkpoint is a {stored} (config.architectures), not a causal LM: {how}. "
                     f"Supported classes: {supported_names()}"

@@ -6,11 +6,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..layers import LAYERS
-from .ties import tie_targets
-from ..distributed.topology import Topology
 from ..distributed.rotated import make_rotated
+from ..distributed.topology import Topology
+from ..layers import LAYERS
 from ..plans import Resolution
+from .ties import tie_targets
 
 
 def rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from torch import nn
 
-from ..errors import HfRtpError
 from ..distributed.topology import Topology
+from ..errors import HfRtpError
 from ..plans import Plan, Resolution
 
 ATTRIBUTE = "_hf_rtp_state"
@@ -35,7 +35,9 @@ def rotated_module(model: nn.Module) -> nn.Module | None:
             return seen
         visited.add(id(seen))
         children = getattr(seen, "_modules", {})
-        seen = next((children[k] for k in ("module", "base_model", "model", "_orig_mod") if children.get(k) is not None), None)
+        seen = next(
+            (children[k] for k in ("module", "base_model", "model", "_orig_mod") if children.get(k) is not None), None
+        )
     return None
 
 

@@ -19,16 +19,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import log
-from ..distributed.sharding import ChunkLayout, chunk_rows
 from ..distributed.rotated import RotatedTensor
+from ..distributed.sharding import ChunkLayout, chunk_rows
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from .install import rotated_parameter
 from .state import ATTRIBUTE
 
 
-def resize_token_embeddings(model, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                            mean_resizing: bool = True) -> nn.Embedding:
+def resize_token_embeddings(
+    model, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+) -> nn.Embedding:
     """Collective: every rank calls it with the same arguments. Vanilla's signature and result."""
     state = model.__dict__[ATTRIBUTE]
     topology = state.topology

@@ -38,7 +38,9 @@ def auto_plan(model: nn.Module) -> Plan:
             break
     rotated_params = {f"{m}.{leaf}" for m, kind in rotate.items() for leaf in LAYERS[kind].rotated_leaves}
     replicate = tuple(
-        n for n, _ in model.named_parameters(remove_duplicate=False) if n not in rotated_params and n.rpartition(".")[0] not in rotate
+        n
+        for n, _ in model.named_parameters(remove_duplicate=False)
+        if n not in rotated_params and n.rpartition(".")[0] not in rotate
     )
     counts = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(rotate.values()).items()))
     whole = "; ".join(f"{name} ({why})" for name, why in kept.items())
@@ -60,6 +62,7 @@ def _warn_if_mostly_whole(model: nn.Module, replicate: tuple[str, ...]) -> None:
         biggest = sorted(whole, key=whole.get, reverse=True)
         log.warning(
             f"plan='auto' keeps {share:.0%} of {type(model).__name__}'s parameters whole on every rank, so each rank "
-            f"holds most of the model: {', '.join(biggest[:12])}" + (f" and {len(biggest) - 12} more" if len(biggest) > 12 else "")
+            f"holds most of the model: {', '.join(biggest[:12])}"
+            + (f" and {len(biggest) - 12} more" if len(biggest) > 12 else "")
             + ". Register a plan that rotates them (hf_rtp.plans.register), or load with plain data parallelism"
         )

@@ -7,9 +7,9 @@ train a parameter that no rule shards or synchronises.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Mapping
 
 from torch import nn
 
@@ -25,7 +25,7 @@ class Plan:
     """parameter-name globs kept whole on every rank (norms, routers); their grads are averaged"""
     name: str = field(default="custom", compare=False)
 
-    def resolve(self, model: nn.Module) -> "Resolution":
+    def resolve(self, model: nn.Module) -> Resolution:
         rotated: dict[str, str] = {}
         for module_name, module in model.named_modules():
             kinds = {kind for pattern, kind in self.rotate.items() if fnmatchcase(module_name, pattern)}

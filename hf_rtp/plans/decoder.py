@@ -30,8 +30,19 @@ _REPLICATE = (
 )
 
 FAMILIES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
-    "gemma", "gemma2", "gemma3_text", "phi3", "deepseek_v3", "gpt_oss",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "deepseek_v3",
+    "gpt_oss",
 )
 
 

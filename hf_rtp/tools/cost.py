@@ -97,8 +97,10 @@ def strategies(params: int, layer_params: int, nodes: int, per_node: int) -> dic
 def llama3(size: str):
     from transformers import LlamaConfig
 
-    shapes = {"8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
-              "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)}
+    shapes = {
+        "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+        "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+    }
     return LlamaConfig(vocab_size=128256, num_key_value_heads=8, **shapes[size])
 
 
@@ -116,8 +118,11 @@ def counts(config) -> tuple[int, int]:
 
 
 def table(sizes=("8B", "70B"), nodes=(1, 2, 4), per_node: int = 8) -> str:
-    rows = ["| model | nodes x GPUs | strategy | NVLink GB/rank | network GB/rank | comm s/step "
-            "| states + unsharded GB/GPU |", "|---|---|---|--:|--:|--:|--:|"]
+    rows = [
+        "| model | nodes x GPUs | strategy | NVLink GB/rank | network GB/rank | comm s/step "
+        "| states + unsharded GB/GPU |",
+        "|---|---|---|--:|--:|--:|--:|",
+    ]
     for size in sizes:
         params, layer = counts(llama3(size))
         for m in nodes:
@@ -125,8 +130,10 @@ def table(sizes=("8B", "70B"), nodes=(1, 2, 4), per_node: int = 8) -> str:
                 if m == 1 and name.startswith(("RTP, rings", "HSDP")):
                     continue  # the same as the flat ones inside one node
                 pace = " (ring at network speed)" if cost.ring_crosses_nodes else ""
-                rows.append(f"| Llama-3-{size} | {m} x {per_node} | {name} | {cost.intra / 1e9:.1f} | "
-                            f"{cost.inter / 1e9:.1f}{pace} | {cost.seconds:.2f} | {cost.memory / 1e9:.1f} |")
+                rows.append(
+                    f"| Llama-3-{size} | {m} x {per_node} | {name} | {cost.intra / 1e9:.1f} | "
+                    f"{cost.inter / 1e9:.1f}{pace} | {cost.seconds:.2f} | {cost.memory / 1e9:.1f} |"
+                )
     return "\n".join(rows)
 
 

@@ -86,8 +86,9 @@ def _fused_attention(module, query, key, value, attention_mask, **kwargs):
     return _FusedAttentionSaves.apply(query, key, value).transpose(1, 2), None
 
 
-def saved_activation_bytes(model: nn.Module, batch: int, seq: int, labels: bool = True,
-                           gradient_checkpointing: bool = False) -> int:
+def saved_activation_bytes(
+    model: nn.Module, batch: int, seq: int, labels: bool = True, gradient_checkpointing: bool = False
+) -> int:
     """Bytes autograd keeps for backward in one forward of `batch` x `seq` tokens, traced on meta.
 
     Attention as the model runs it: eager keeps its [seq, seq] scores; SDPA and flash-attention
@@ -143,8 +144,8 @@ def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: in
     """(elements this rank holds, its largest local tensor, pool slot elements, of which an embedding's
     lookup needs) under hf_rtp's plan."""
     from .. import plans
-    from ..plans.auto import auto_plan
     from ..distributed.sharding import ChunkLayout, chunk_rows
+    from ..plans.auto import auto_plan
 
     model_type = model.config.model_type
     plan = plans.get(model_type) if model_type in plans.supported() else auto_plan(model)
@@ -183,9 +184,19 @@ def _tp_local(model: nn.Module, world_size: int) -> int:
     return local
 
 
-def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: str | torch.dtype = "float32",
-             optimizer: str = "adamw", piece_bytes: int = 16 * 10**6, gradient_checkpointing: bool = False,
-             rtp_size: int | None = None, autocast: bool = False) -> dict[str, float]:
+def estimate(
+    config,
+    world_size: int,
+    *,
+    batch: int = 2,
+    seq: int = 128,
+    dtype: str | torch.dtype = "float32",
+    optimizer: str = "adamw",
+    piece_bytes: int = 16 * 10**6,
+    gradient_checkpointing: bool = False,
+    rtp_size: int | None = None,
+    autocast: bool = False,
+) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
 
     With `rtp_size` K below the world size, RTP runs as rings of K (a rank holds 1/K of the rotated
@@ -223,9 +234,11 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
     tp_local = _tp_local(model, n)
     # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
     # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
-    fused = (_activations(model, batch, seq, False, gradient_checkpointing)
-             + batch * seq * (config.hidden_size * size + 8)
-             + 3 * min(BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / ring) * 4))
+    fused = (
+        _activations(model, batch, seq, False, gradient_checkpointing)
+        + batch * seq * (config.hidden_size * size + 8)
+        + 3 * min(BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / ring) * 4)
+    )
     single = peak(total, largest, saved)
 
     def fsdp2(shards: int) -> float:
@@ -233,8 +246,13 @@ def estimate(config, world_size: int, *, batch: int = 2, seq: int = 128, dtype: 
         # batch's activations; then either the logits' gradient (at its start) or the root's unsharded
         # gradients (at its end), whichever is larger
         gathered = travel / size  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16 under autocast
-        return max((2 + k) * total / shards + 2 * largest / shards,
-                   (1 + k) * total / shards + (root + 2 * layer) * gathered + saved + max(2 * logits, root)) + RUNTIME_BYTES
+        return (
+            max(
+                (2 + k) * total / shards + 2 * largest / shards,
+                (1 + k) * total / shards + (root + 2 * layer) * gathered + saved + max(2 * logits, root),
+            )
+            + RUNTIME_BYTES
+        )
 
     result = {
         "single": single,
@@ -264,20 +282,31 @@ def _activations(model: nn.Module, batch: int, seq: int, labels: bool, gradient_
 
 
 def main(argv=None) -> dict[str, float]:
-    p = argparse.ArgumentParser(prog="hf-rtp estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hf-rtp estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model", help="a checkpoint folder, config.json, Hub id (config only) or bench preset")
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--rtp-size", type=int, help="ranks per RTP ring (default: the world size); also estimates HSDP "
-                   "sharding over as many ranks")
+    p.add_argument(
+        "--rtp-size",
+        type=int,
+        help="ranks per RTP ring (default: the world size); also estimates HSDP sharding over as many ranks",
+    )
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
-    p.add_argument("--autocast", action="store_true", help="bf16 autocast over --dtype weights: RTP's ring and "
-                   "FSDP2's gathers carry bf16")
-    p.add_argument("--attn-implementation", help="as transformers' attn_implementation (default: the config's, "
-                   "else sdpa); eager keeps [seq, seq] attention scores for backward, the fused kernels do not")
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="bf16 autocast over --dtype weights: RTP's ring and FSDP2's gathers carry bf16",
+    )
+    p.add_argument(
+        "--attn-implementation",
+        help="as transformers' attn_implementation (default: the config's, "
+        "else sdpa); eager keeps [seq, seq] attention scores for backward, the fused kernels do not",
+    )
     args = p.parse_args(argv)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
@@ -286,16 +315,29 @@ def main(argv=None) -> dict[str, float]:
     config = load_config(args.model)
     if args.attn_implementation:
         config._attn_implementation = args.attn_implementation
-    result = estimate(config, args.world_size, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,
-                      gradient_checkpointing=args.gradient_checkpointing, rtp_size=args.rtp_size,
-                      autocast=args.autocast)
+    result = estimate(
+        config,
+        args.world_size,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        gradient_checkpointing=args.gradient_checkpointing,
+        rtp_size=args.rtp_size,
+        autocast=args.autocast,
+    )
     states = model_states_bytes(config, args.dtype, args.optimizer)
-    print(f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
-          f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
-          + (f" as {args.world_size // args.rtp_size} replicas of {args.rtp_size}-rank rings" if args.rtp_size else ""))
+    print(
+        f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
+        f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
+        + (f" as {args.world_size // args.rtp_size} replicas of {args.rtp_size}-rank rings" if args.rtp_size else "")
+    )
     for strategy, value in result.items():
-        note = {"single": "   (1 process)", "rtp": "   (fused LM-head loss, the default)",
-                "rtp-unfused": "   (from_pretrained(..., fused_loss=False))",
-                "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)"}.get(strategy, "")
+        note = {
+            "single": "   (1 process)",
+            "rtp": "   (fused LM-head loss, the default)",
+            "rtp-unfused": "   (from_pretrained(..., fused_loss=False))",
+            "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)",
+        }.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
     return result

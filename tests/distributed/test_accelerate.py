@@ -39,13 +39,16 @@ def _full(tensor):
 
 
 def _round_trip(ckpt, out, reference):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     accelerator = hf_rtp.Accelerator()  # cpu=True by default without CUDA: a distributed launch stays distributed
     torch.manual_seed(100 + rank)
-    vanilla = _steps(accelerator, *_prepare(accelerator, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)), range(4))
+    vanilla = _steps(
+        accelerator, *_prepare(accelerator, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)), range(4)
+    )
 
     torch.manual_seed(100 + rank)
     model, optimizer, scheduler = _prepare(accelerator, hf_rtp.from_pretrained(ckpt, dtype=torch.float64).train())
@@ -72,8 +75,9 @@ def _round_trip(ckpt, out, reference):
 
 
 def _resume_elsewhere(ckpt, out, reference):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     accelerator = hf_rtp.Accelerator()
     _prepare(accelerator, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64))  # as the saving script did
@@ -105,8 +109,9 @@ def test_save_state_load_state_round_trip_exactly_and_reshard(tmp_path):
 
 
 def _plain_accelerate_refuses(ckpt, out):
-    import hf_rtp
     from accelerate import Accelerator
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     accelerator = Accelerator(cpu=True)

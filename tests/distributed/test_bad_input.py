@@ -16,11 +16,20 @@ import hf_rtp
 def test_unknown_architecture_lists_supported(tmp_path):
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
-    config = Starcoder2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=2,
-                              num_key_value_heads=1, vocab_size=50)
+    config = Starcoder2Config(
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
     Starcoder2ForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"model_type 'starcoder2'.*Supported: deepseek_v3, .*gpt2, .*"
-                                                           r"llama, .*qwen3_moe.*plan='auto'"):
+    with pytest.raises(
+        hf_rtp.UnsupportedModelError,
+        match=r"model_type 'starcoder2'.*Supported: deepseek_v3, .*gpt2, .*"
+        r"llama, .*qwen3_moe.*plan='auto'",
+    ):
         hf_rtp.from_pretrained(tmp_path)
 
 
@@ -49,7 +58,9 @@ def test_truncated_safetensors(tmp_path):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     path = os.path.join(ckpt, "model.safetensors")
     os.truncate(path, os.path.getsize(path) - 100)
-    with pytest.raises(hf_rtp.CheckpointError, match=r"model.safetensors .*truncated or corrupted.*download or save it again"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=r"model.safetensors .*truncated or corrupted.*download or save it again"
+    ):
         hf_rtp.from_pretrained(ckpt)
 
 
@@ -76,7 +87,10 @@ def test_tensor_shape_disagrees_with_config(tmp_path):
     config = json.load(open(config_path))
     config["intermediate_size"] += 8
     json.dump(config, open(config_path, "w"))
-    with pytest.raises(hf_rtp.CheckpointError, match=r"mlp\.\w+_proj\.weight has shape \[(40, 32|32, 40)\].*config.json gives \[(48, 32|32, 48)\]"):
+    with pytest.raises(
+        hf_rtp.CheckpointError,
+        match=r"mlp\.\w+_proj\.weight has shape \[(40, 32|32, 40)\].*config.json gives \[(48, 32|32, 48)\]",
+    ):
         hf_rtp.from_pretrained(ckpt)
 
 
@@ -86,7 +100,9 @@ def _topology_errors(ckpt):
 
     errors = []
     dist.init_process_group("gloo")
-    mesh_2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replica", "shard"))  # a 2-D mesh must say which dim rings
+    mesh_2d = init_device_mesh(
+        "cpu", (1, 2), mesh_dim_names=("replica", "shard")
+    )  # a 2-D mesh must say which dim rings
     for mesh in (mesh_2d, mesh_2d["replica"]):
         try:
             hf_rtp.from_pretrained(ckpt, device_mesh=mesh)
@@ -134,7 +150,9 @@ def test_dead_rank_is_an_error_within_the_timeout(tmp_path):
     port = spawn.free_port()
     env = {"HF_RTP_TIMEOUT": "10"}
     procs = [
-        ctx.Process(target=spawn._worker, args=(r, 2, port, _rank1_dies_after_loading, (ckpt,), dict(os.environ), env, results))
+        ctx.Process(
+            target=spawn._worker, args=(r, 2, port, _rank1_dies_after_loading, (ckpt,), dict(os.environ), env, results)
+        )
         for r in range(2)
     ]
     for p in procs:
@@ -149,15 +167,17 @@ def test_dead_rank_is_an_error_within_the_timeout(tmp_path):
 
 
 def test_path_that_is_neither_folder_nor_cached_hub_model(tmp_path):
-    with pytest.raises(hf_rtp.CheckpointError, match=r"is not a local directory and could not be fetched.*HF_HUB_OFFLINE"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=r"is not a local directory and could not be fetched.*HF_HUB_OFFLINE"
+    ):
         hf_rtp.from_pretrained(str(tmp_path / "no-such-model"))
 
 
 def test_token_ids_outside_the_vocabulary_fail_like_vanilla(tmp_path):
     from support.models import VOCAB
 
-    from hf_rtp.layers import RotatedEmbedding
     from hf_rtp.distributed.ring import Ring
+    from hf_rtp.layers import RotatedEmbedding
 
     vanilla = torch.nn.Embedding(VOCAB, 4)
     rotated = RotatedEmbedding(vanilla, ring=Ring(None), weight=vanilla.weight)

@@ -20,9 +20,10 @@ from support.spawn import run_on_ranks
 
 def _run(ckpt, batch, **load):
     """(loss, logits, every gradient as this rank holds it, weight bytes the ring sent, weight slot bytes)."""
+    from torch.distributed.tensor import DTensor
+
     import hf_rtp
     from hf_rtp.model.state import state_of
-    from torch.distributed.tensor import DTensor
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, **load).train()
     ring = state_of(model).topology.ring
@@ -41,8 +42,9 @@ def _run(ckpt, batch, **load):
 
 
 def _bf16_rotation_is_exact(checkpoints, plain):
-    from hf_rtp.distributed.ring import Ring
     from transformers import AutoModelForCausalLM
+
+    from hf_rtp.distributed.ring import Ring
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world)[rank]
@@ -76,8 +78,10 @@ def _bf16_rotation_is_exact(checkpoints, plain):
 @pytest.mark.parametrize("world", [2, 3])
 def test_autocast_rotation_sends_bf16_with_the_same_numbers(tmp_path, world):
     # a wide MLP, so its pieces (not the float32 embedding's) size the weight slots
-    checkpoints = {arch: make_tiny(arch, tmp_path / arch, **({"intermediate_size": 256} if arch == "llama" else {}))
-                   for arch in ("llama", "gpt2", "mixtral")}
+    checkpoints = {
+        arch: make_tiny(arch, tmp_path / arch, **({"intermediate_size": 256} if arch == "llama" else {}))
+        for arch in ("llama", "gpt2", "mixtral")
+    }
     plain = make_tiny("llama", tmp_path / "plain")
     for ratios in run_on_ranks(_bf16_rotation_is_exact, world, checkpoints, plain):
         # the forward's weights: half for every matmul; the float32 embedding rows keep their size
@@ -92,8 +96,9 @@ def test_autocast_rotation_sends_bf16_with_the_same_numbers(tmp_path, world):
 
 
 def _layer_traffic(ckpt):
-    import hf_rtp
     from torch.distributed.tensor import DTensor
+
+    import hf_rtp
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
     layer = model.model.layers[0].mlp.down_proj
@@ -116,8 +121,9 @@ def _layer_traffic(ckpt):
 
 
 def _reduce_dtype(ckpt):
-    import hf_rtp
     from torch.distributed.tensor import DTensor
+
+    import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world)[rank]

@@ -19,11 +19,12 @@ from support.spawn import run_on_ranks
 
 
 def _full_tensor_is_data_parallel(ckpt):
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import Replicate
+
     import hf_rtp
     from hf_rtp.distributed.rotated import RotatedTensor
     from hf_rtp.distributed.sharding import chunk_rows
-    from safetensors.torch import load_file
-    from torch.distributed.tensor import Replicate
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)

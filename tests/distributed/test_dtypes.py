@@ -9,9 +9,10 @@ from support.spawn import run_on_ranks
 
 
 def _bf16_round_trip(ckpt, out):
-    import hf_rtp
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     auto = hf_rtp.from_pretrained(ckpt)
@@ -40,10 +41,10 @@ def test_bfloat16_load_train_save(tmp_path):
 
 
 def _autocast_matches_vanilla(checkpoints):
-    import hf_rtp
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
+    import hf_rtp
     from hf_rtp.distributed.sharding import chunk_rows
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -16,7 +16,15 @@ import os
 import pytest
 import torch
 from support.compare import (
-    ADAM_EPS, ATOL, DTYPE, LR, RTOL, STEP_ATOL, assert_matches, assert_same_model, backward_both,
+    ADAM_EPS,
+    ATOL,
+    DTYPE,
+    LR,
+    RTOL,
+    STEP_ATOL,
+    assert_matches,
+    assert_same_model,
+    backward_both,
 )
 from support.models import global_batch, make_fused_mixtral, make_tiny, rewrite_names, stored_names
 from support.spawn import run_on_ranks
@@ -24,7 +32,14 @@ from support.spawn import run_on_ranks
 SPLIT = "12KB"  # small enough to cut every tiny checkpoint into several files
 CASES = [
     *[
-        pytest.param("llama", tied, shard, None, world, id=f"llama-{'tied' if tied else 'untied'}-{'split' if shard else 'single'}-{world}")
+        pytest.param(
+            "llama",
+            tied,
+            shard,
+            None,
+            world,
+            id=f"llama-{'tied' if tied else 'untied'}-{'split' if shard else 'single'}-{world}",
+        )
         for tied in (False, True)
         for shard in (None, SPLIT)
         for world in (1, 2, 3)
@@ -53,11 +68,12 @@ CASES = [case for case in CASES if case.id not in IN_THE_ZOO | COVERED_AT_THREE]
 
 
 def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save, piece_size):
-    import hf_rtp
     import torch.distributed as dist
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # transformers' default grouped_mm experts have no float64 kernel; eager is the same math
@@ -94,9 +110,10 @@ def _train_step_and_save(ckpt, out_dir, max_shard_size, plan, like_vanilla_save,
         assert sorted(os.listdir(out_dir)) == sorted(os.listdir(vanilla_dir))
         for filename in os.listdir(vanilla_dir):
             if filename.endswith(".safetensors"):
-                with safe_open(os.path.join(out_dir, filename), "pt") as a, safe_open(
-                    os.path.join(vanilla_dir, filename), "pt"
-                ) as b:
+                with (
+                    safe_open(os.path.join(out_dir, filename), "pt") as a,
+                    safe_open(os.path.join(vanilla_dir, filename), "pt") as b,
+                ):
                     assert sorted(a.keys()) == sorted(b.keys()), filename
         for filename in ("config.json", "generation_config.json", "model.safetensors.index.json"):
             if os.path.exists(os.path.join(vanilla_dir, filename)):

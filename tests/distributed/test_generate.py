@@ -11,8 +11,9 @@ from support.spawn import run_on_ranks
 
 
 def _generate_like_vanilla(ckpt):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with open(os.path.join(ckpt, "config.json")) as f:
@@ -31,8 +32,9 @@ def _generate_like_vanilla(ckpt):
 
 
 # 3 ranks for mixtral only (rotated experts and uneven lengths); the zoo generates with llama and gpt2 at 3
-@pytest.mark.parametrize("arch, world_size", [(a, n) for a in ("llama", "gpt2", "mixtral") for n in (1, 2)]
-                         + [("mixtral", 3)])
+@pytest.mark.parametrize(
+    "arch, world_size", [(a, n) for a in ("llama", "gpt2", "mixtral") for n in (1, 2)] + [("mixtral", 3)]
+)
 def test_generate_matches_vanilla(tmp_path, arch, world_size):
     ckpt = make_tiny(arch, tmp_path / "ckpt")
     generated = run_on_ranks(_generate_like_vanilla, world_size, ckpt)
@@ -45,9 +47,10 @@ def _whole_copies(checkpoints):
 
 
 def _whole_copy(ckpt, tied):
-    import hf_rtp
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64)

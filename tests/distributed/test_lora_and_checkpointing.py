@@ -11,10 +11,11 @@ LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", in
 
 
 def _lora_step(ckpt, adapters, rtp_size):
-    import hf_rtp
     from peft import LoraConfig, PeftModel, get_peft_model
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
@@ -62,8 +63,9 @@ def test_lora_on_rotated_base_matches_vanilla_peft(tmp_path, world, rtp_size):
 
 
 def _checkpointing(ckpt):
-    import hf_rtp
     from torch.distributed.tensor import DTensor
+
+    import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world)[rank]

@@ -14,10 +14,11 @@ def _rank_world():
 
 
 def _ddp_and_shares(ckpt):
-    import hf_rtp
-    from hf_rtp.distributed.sharding import chunk_rows
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hf_rtp
+    from hf_rtp.distributed.sharding import chunk_rows
 
     rank, world = _rank_world()
     batch = global_batch(world)[rank]

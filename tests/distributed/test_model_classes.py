@@ -23,10 +23,22 @@ def _reward(model, out):
     rows = global_batch(8, batch=2, seq=8, seed=3).reshape(16, 8)
     data = Dataset.from_dict({"chosen_ids": rows[:8].tolist(), "rejected_ids": rows[8:].tolist()})
     grads = first_grads_callback()
-    config = RewardConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-                          report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", bf16=False)
-    trainer = RewardTrainer(model=model, args=config, train_dataset=data, processing_class=tiny_tokenizer(),
-                            callbacks=[grads])
+    config = RewardConfig(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        bf16=False,
+    )
+    trainer = RewardTrainer(
+        model=model, args=config, train_dataset=data, processing_class=tiny_tokenizer(), callbacks=[grads]
+    )
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     trainer.save_model(os.path.join(out, "saved"))
@@ -34,8 +46,9 @@ def _reward(model, out):
 
 
 def _reward_both(ckpt, out):
-    import hf_rtp
     from transformers import AutoModelForSequenceClassification
+
+    import hf_rtp
 
     torch.manual_seed(0)
     vanilla = AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=1, dtype=torch.float64)
@@ -52,8 +65,9 @@ def test_reward_trainer_from_a_causal_checkpoint_matches_vanilla_ddp_and_saves_f
     (vanilla_losses, vanilla_grads), (losses, grads) = run_on_ranks(_reward_both, 2, ckpt, str(tmp_path))[0]
     assert grads.keys() == vanilla_grads.keys() and "score.weight" in grads and "lm_head.weight" not in grads
     for name, grad in vanilla_grads.items():
-        torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-9, atol=1e-12,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}"
+        )
     torch.testing.assert_close(losses, vanilla_losses, rtol=1e-9, atol=0)
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
@@ -72,8 +86,9 @@ def test_reward_trainer_from_a_causal_checkpoint_matches_vanilla_ddp_and_saves_f
 
 
 def _token_classes(ckpt, world):
-    import hf_rtp
     from transformers import AutoModelForTokenClassification
+
+    import hf_rtp
 
     rank = int(os.environ.get("RANK", 0))
     batch = global_batch(world, seq=7)
@@ -101,20 +116,27 @@ def test_token_classification_gradients_equal_vanilla_ddp(tmp_path):
 
 
 def test_a_head_the_checkpoint_was_not_saved_as_or_hf_rtp_does_not_load_is_named(tmp_path):
-    import hf_rtp
     from transformers import AutoModelForQuestionAnswering, AutoModelForSequenceClassification
 
+    import hf_rtp
+
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    with pytest.raises(hf_rtp.UnsupportedModelError, match="does not load AutoModelForQuestionAnswering; supported "
-                       "classes: AutoModelForCausalLM, AutoModelForSequenceClassification"):
+    with pytest.raises(
+        hf_rtp.UnsupportedModelError,
+        match="does not load AutoModelForQuestionAnswering; supported "
+        "classes: AutoModelForCausalLM, AutoModelForSequenceClassification",
+    ):
         hf_rtp.from_pretrained(ckpt, auto_class=AutoModelForQuestionAnswering)
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=2).save_pretrained(tmp_path / "classifier")
-    with pytest.raises(hf_rtp.UnsupportedModelError, match=r"is a LlamaForSequenceClassification \(config.architectures\), "
-                       r"not a causal LM: load it with hf_rtp.AutoModelForSequenceClassification.from_pretrained"):
+    with pytest.raises(
+        hf_rtp.UnsupportedModelError,
+        match=r"is a LlamaForSequenceClassification \(config.architectures\), "
+        r"not a causal LM: load it with hf_rtp.AutoModelForSequenceClassification.from_pretrained",
+    ):
         hf_rtp.from_pretrained(tmp_path / "classifier")
     model = hf_rtp.AutoModelForSequenceClassification.from_pretrained(tmp_path / "classifier")
-    assert model.config.num_labels == 2 and VOCAB == model.config.vocab_size
+    assert model.config.num_labels == 2 and model.config.vocab_size == VOCAB
     # a head that is absent from a checkpoint only for a class that adds one: a causal LM's lm_head is never invented
     with pytest.raises(hf_rtp.CheckpointError, match="lacks 1 tensor"):
         hf_rtp.from_pretrained(tmp_path / "classifier", auto_class=hf_rtp.AutoModelForCausalLM.auto_class)

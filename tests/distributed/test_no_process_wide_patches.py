@@ -31,11 +31,12 @@ def _mixing_refused(mesh) -> bool:
 
 
 def _train_beside_a_plain_dtensor(ckpt):
-    import hf_rtp
-    from hf_rtp.distributed.rotated import RotatedTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.distributed.rotated import RotatedTensor
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE)
@@ -50,7 +51,9 @@ def _train_beside_a_plain_dtensor(ckpt):
 
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)  # mixes both kinds
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
-    torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm, ref_norm, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        norm.full_tensor() if isinstance(norm, DTensor) else norm, ref_norm, atol=ATOL, rtol=RTOL
+    )
     refused.append(_mixing_refused(mesh))
     torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, foreach=True).step()  # one foreach op over both kinds
     torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS).step()

@@ -28,14 +28,16 @@ def _adapt(model, variant):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)  # init_lora_weights=False: random B too, so every adapter gets a gradient
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                            **VARIANTS[variant]))
+    return get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **VARIANTS[variant])
+    )
 
 
 def _variants(ckpts, world, out):
-    import hf_rtp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     batch = global_batch(world, seq=12)
@@ -53,7 +55,10 @@ def _variants(ckpts, world, out):
         for name, param in model.named_parameters():
             if param.requires_grad:
                 grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-                grads[name] = ((grad - reference[name].grad).abs().max().item(), reference[name].grad.abs().max().item())
+                grads[name] = (
+                    (grad - reference[name].grad).abs().max().item(),
+                    reference[name].grad.abs().max().item(),
+                )
         for m in (model, vanilla):
             torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5).step()
         state_dict = hf_rtp.adapter_state_dict(model)
@@ -69,8 +74,10 @@ def _variants(ckpts, world, out):
             merged = model.merge_and_unload()
             expected = dict(vanilla.merge_and_unload().named_parameters())
             with torch.no_grad():
-                merge = max((p.full_tensor() if hasattr(p, "full_tensor") else p).sub(expected[n]).abs().max().item()
-                            for n, p in merged.named_parameters())
+                merge = max(
+                    (p.full_tensor() if hasattr(p, "full_tensor") else p).sub(expected[n]).abs().max().item()
+                    for n, p in merged.named_parameters()
+                )
         except hf_rtp.RotatedStateError as refused:
             merge = str(refused)
         results[variant] = (grads, after, state_dict is not None, merge)
@@ -83,9 +90,11 @@ def test_peft_variants_equal_vanilla_ddp_and_their_saved_adapters_load_in_vanill
         for variant, (grads, after, gathered, merge) in results.items():
             # rotated copies (modules_to_save) are gathered to save; the others are replicated already
             assert gathered == (variant == "modules_to_save"), variant
-            expected = {"modules_to_save": "lm_head.modules_to_save.default.weight",
-                        "dora": "lora_magnitude_vector.default.weight",
-                        "trainable_tokens": "token_adapter.trainable_tokens_delta.default"}[variant]
+            expected = {
+                "modules_to_save": "lm_head.modules_to_save.default.weight",
+                "dora": "lora_magnitude_vector.default.weight",
+                "trainable_tokens": "token_adapter.trainable_tokens_delta.default",
+            }[variant]
             assert any(n.endswith(expected) for n in grads), (variant, sorted(grads))
             # float64 model; hf_rtp's fused loss is a float32 island where the head is not wrapped (support/compare.py)
             for name, (difference, scale) in grads.items():

@@ -42,7 +42,12 @@ def _load_registered(ckpt):
     batch = global_batch(2)[rank]
     torch.testing.assert_close(model(input_ids=batch).logits, ref(input_ids=batch).logits, atol=1e-5, rtol=1e-5)
     q = model.model.layers[0].self_attn.q_proj
-    return hf_rtp.state_of(model).plan.name, isinstance(q.weight, DTensor), isinstance(q.bias, DTensor), q.weight.to_local().shape[0]
+    return (
+        hf_rtp.state_of(model).plan.name,
+        isinstance(q.weight, DTensor),
+        isinstance(q.bias, DTensor),
+        q.weight.to_local().shape[0],
+    )
 
 
 def test_registered_user_plan_is_used_for_its_model_type(tmp_path):
@@ -89,7 +94,10 @@ def test_plan_leaving_a_parameter_uncovered_is_named(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     llama = plans.get("llama")
     partial = Plan(name="no-norms", rotate=llama.rotate, replicate=("model.layers.*_layernorm.weight",))
-    with pytest.raises(PlanError, match=r"plan 'no-norms' covers neither rotation nor replication for 1 parameter\(s\): model.norm.weight"):
+    with pytest.raises(
+        PlanError,
+        match=r"plan 'no-norms' covers neither rotation nor replication for 1 parameter\(s\): model.norm.weight",
+    ):
         hf_rtp.from_pretrained(ckpt, plan=partial)
 
 

@@ -13,7 +13,9 @@ import hf_rtp
 def test_push_saves_then_fails_clearly_offline(tmp_path):
     model = hf_rtp.from_pretrained(make_tiny_llama(tmp_path / "ckpt"), dtype=torch.float32)
     folder = tmp_path / "to-push"
-    with pytest.raises(hf_rtp.CheckpointError, match=r"could not push .* as someone/tiny.*checkpoint itself is complete"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=r"could not push .* as someone/tiny.*checkpoint itself is complete"
+    ):
         model.save_pretrained(folder, push_to_hub=True, repo_id="someone/tiny")
     assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors"]
     reloaded = AutoModelForCausalLM.from_pretrained(folder)

@@ -23,14 +23,17 @@ CASES = [  # (tied, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
 
 def _resize_train_save(ckpts, layout, out):
-    import hf_rtp
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import AutoModelForCausalLM
 
+    import hf_rtp
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     extra = {}
-    if layout == "2x2-mesh":  # 2 replicas of 2-rank rings, laid out so that the writer (ring rank 0 of replica 0) is rank 1
+    if (
+        layout == "2x2-mesh"
+    ):  # 2 replicas of 2-rank rings, laid out so that the writer (ring rank 0 of replica 0) is rank 1
         dist.init_process_group("gloo")
         extra["device_mesh"] = DeviceMesh("cpu", [[1, 0], [3, 2]], mesh_dim_names=("dp", "rtp"))
     results = []
@@ -46,8 +49,11 @@ def _resize_train_save(ckpts, layout, out):
         assert returned is model.get_input_embeddings() and returned.num_embeddings == size == model.config.vocab_size
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
         with torch.no_grad():
-            same = {n: torch.equal(p.full_tensor(), vanilla.get_parameter(n)) for n, p in model.named_parameters()
-                    if hasattr(p, "full_tensor")}
+            same = {
+                n: torch.equal(p.full_tensor(), vanilla.get_parameter(n))
+                for n, p in model.named_parameters()
+                if hasattr(p, "full_tensor")
+            }
         # a step on batches that use the new tokens (every rank its own), against vanilla on all of them
         batch = torch.randint(0, size, (world, 2, 9), generator=torch.Generator().manual_seed(7))
         vanilla.train()(input_ids=batch.flatten(0, 1), labels=batch.flatten(0, 1)).loss.backward()

@@ -9,8 +9,9 @@ from support.spawn import run_on_ranks
 
 
 def _train_and_save(ckpt, state_dir, reference):
-    from hf_rtp.checkpoint.resume import save_training_state
     from torch.distributed.tensor import DTensor
+
+    from hf_rtp.checkpoint.resume import save_training_state
 
     rank = int(os.environ["RANK"])
     model, optimizer = trained_one_step(ckpt)
@@ -25,10 +26,11 @@ def _train_and_save(ckpt, state_dir, reference):
 
 
 def _load_elsewhere(ckpt, state_dir, reference):
+    from torch.distributed.tensor import DTensor
+
     import hf_rtp
     from hf_rtp.checkpoint.resume import load_training_state
     from hf_rtp.distributed.sharding import chunk_rows
-    from torch.distributed.tensor import DTensor
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()

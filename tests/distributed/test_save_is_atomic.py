@@ -41,9 +41,17 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
     errors = run_on_ranks(_fail_second_save, 2, ckpt, out)
     assert "File too large" in errors[0]
     assert errors[1].startswith("CheckpointError: rank 0 failed: OSError") and "File too large" in errors[1]
-    assert sorted(os.listdir(out)) == [".hf_rtp-staging-killed", "config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == [
+        ".hf_rtp-staging-killed",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert open(os.path.join(out, ".hf_rtp-staging-killed", "notes.txt")).read() == "mine"
-    saved, original = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(ckpt, "model.safetensors"))
+    saved, original = (
+        load_file(os.path.join(out, "model.safetensors")),
+        load_file(os.path.join(ckpt, "model.safetensors")),
+    )
     assert saved.keys() == original.keys()
     assert all(torch.equal(saved[k], original[k]) for k in saved)  # the first save, untouched
 

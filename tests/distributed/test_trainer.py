@@ -34,16 +34,31 @@ class Tokens(torch.utils.data.Dataset):
 
 @torch.no_grad()
 def _full(model) -> dict:
-    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def _trainer(model, out, max_steps=6):
-    from transformers import Trainer, TrainingArguments, TrainerCallback
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     args = TrainingArguments(
-        output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, per_device_eval_batch_size=1, learning_rate=1e-2, logging_steps=1,
-        save_steps=2, save_total_limit=2, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
-        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_drop_last=True,
+        output_dir=out,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=2,
+        save_total_limit=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
     )
 
     class Start(TrainerCallback):  # the weights training starts from, after any resume
@@ -56,8 +71,9 @@ def _trainer(model, out, max_steps=6):
                 shutil.copytree(os.path.join(out, "checkpoint-4"), os.path.join(out, "copy-of-checkpoint-4"))
 
     start = Start()
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 3), eval_dataset=Tokens(6, 4),
-                      callbacks=[start, KeepFourth()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(64, 3), eval_dataset=Tokens(6, 4), callbacks=[start, KeepFourth()]
+    )
     return trainer, start
 
 
@@ -66,8 +82,9 @@ def _losses(trainer):
 
 
 def _train_save_resume(ckpt, out):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     vanilla, _ = _trainer(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"))
@@ -106,7 +123,9 @@ def _train_save_resume(ckpt, out):
 def _resume_at_three(ckpt, out):
     import hf_rtp
 
-    trainer, start = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "three"), max_steps=8)
+    trainer, start = _trainer(
+        hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "three"), max_steps=8
+    )
     checkpoint = os.path.join(out, "rotated", "checkpoint-6")
     trainer.train(resume_from_checkpoint=checkpoint)
     saved = load_file(os.path.join(checkpoint, "model.safetensors"))
@@ -115,10 +134,13 @@ def _resume_at_three(ckpt, out):
 
 
 def _train_as_two_rings_of_two(ckpt, out):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
 
-    vanilla, _ = _trainer(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"), 4)
+    import hf_rtp
+
+    vanilla, _ = _trainer(
+        AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"), 4
+    )
     vanilla.train()
     rotated, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rtp_size=2), os.path.join(out, "grid"), 4)
     assert hf_rtp.state_of(rotated.model).topology.dp_size == 2

@@ -21,11 +21,24 @@ def _sft(model, out, **extra):
     from trl import SFTConfig, SFTTrainer
 
     ids = global_batch(8, batch=2, seq=10, seed=5).reshape(16, 10).tolist()
-    config = SFTConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-                       report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", max_length=16,
-                       bf16=False, **extra)
-    return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}),
-                      processing_class=tiny_tokenizer())
+    config = SFTConfig(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        max_length=16,
+        bf16=False,
+        **extra,
+    )
+    return SFTTrainer(
+        model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}), processing_class=tiny_tokenizer()
+    )
 
 
 def _unplaced_arguments():
@@ -48,14 +61,30 @@ def _unplaced_arguments():
 def _trainer(out, model=None, model_init=None, placed=True, **extra):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-    args = (TrainingArguments if placed else _unplaced_arguments())(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
-                             logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                             save_strategy="no", **extra)
+    args = (TrainingArguments if placed else _unplaced_arguments())(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        **extra,
+    )
     ids = global_batch(8, batch=2, seq=10, seed=6).reshape(16, 10)
     data = [{"input_ids": row} for row in ids]
     # no processing_class: Trainer then saves the collator's tokenizer beside the model
-    return Trainer(model=model, model_init=model_init, args=args, train_dataset=data, eval_dataset=data[:4],
-                   data_collator=DataCollatorForLanguageModeling(tiny_tokenizer(), mlm=False))
+    return Trainer(
+        model=model,
+        model_init=model_init,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:4],
+        data_collator=DataCollatorForLanguageModeling(tiny_tokenizer(), mlm=False),
+    )
 
 
 def _losses(trainer):
@@ -68,7 +97,9 @@ def _saved_like(trainer, out):
 
     trainer.save_model(out)
     with torch.no_grad():
-        full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in trainer.model.named_parameters()}
+        full = {
+            n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in trainer.model.named_parameters()
+        }
     if int(os.environ["RANK"]) != 0:
         return None
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
@@ -81,8 +112,9 @@ def _attached(trainer) -> bool:
 
 
 def _three_trainers(ckpt, out):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     def vanilla():
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
@@ -100,7 +132,14 @@ def _three_trainers(ckpt, out):
     attached_before = _attached(sft)
     sft.train()
     head = sft.model.forward.__func__.__code__.co_filename
-    results["sft"] = (attached_before, _attached(sft), head, _losses(sft), _losses(ref), _saved_like(sft, os.path.join(out, "sft-saved")))
+    results["sft"] = (
+        attached_before,
+        _attached(sft),
+        head,
+        _losses(sft),
+        _losses(ref),
+        _saved_like(sft, os.path.join(out, "sft-saved")),
+    )
 
     # place_model_on_device False: never placed; evaluate() alone, then save_model
     evaluated = _trainer(os.path.join(out, "eval"), model=rotated(), placed=False)
@@ -112,8 +151,14 @@ def _three_trainers(ckpt, out):
     except hf_rtp.IntegrationError as err:
         refused = str(err)
     loss, ref_loss = evaluated.evaluate()["eval_loss"], ref_eval.evaluate()["eval_loss"]
-    results["unplaced"] = (attached_before, refused, _attached(evaluated), loss, ref_loss,
-                                 _saved_like(evaluated, os.path.join(out, "eval-saved")))
+    results["unplaced"] = (
+        attached_before,
+        refused,
+        _attached(evaluated),
+        loss,
+        ref_loss,
+        _saved_like(evaluated, os.path.join(out, "eval-saved")),
+    )
 
     # model_init: the model is built in __init__ and again inside train()
     torch.manual_seed(0)
@@ -123,8 +168,13 @@ def _three_trainers(ckpt, out):
     init = _trainer(os.path.join(out, "init"), model_init=rotated)
     attached_before = _attached(init)
     init.train()
-    results["model_init"] = (attached_before, _attached(init), _losses(init), _losses(ref_init),
-                             _saved_like(init, os.path.join(out, "init-saved")))
+    results["model_init"] = (
+        attached_before,
+        _attached(init),
+        _losses(init),
+        _losses(ref_init),
+        _saved_like(init, os.path.join(out, "init-saved")),
+    )
     return results
 
 
@@ -151,8 +201,9 @@ def test_trainers_that_do_not_place_the_model_are_attached_and_train_and_save_li
 
 
 def test_attach_trainer_refuses_a_trainer_whose_replaced_methods_changed(tmp_path):
-    import hf_rtp
     from transformers import Trainer, TrainingArguments
+
+    import hf_rtp
 
     class Changed(Trainer):
         def _load_best_model(self, strict):  # a future transformers could pass more

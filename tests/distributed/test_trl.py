@@ -22,19 +22,42 @@ def _sft(model, out, lora):
     from trl import SFTConfig, SFTTrainer
 
     ids = global_batch(8, batch=2, seq=10, seed=5).reshape(16, 10).tolist()
-    config = SFTConfig(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-                       report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", max_length=16,
-                       bf16=False)  # SFTConfig's default autocasts to bf16, where two kernels differ by bf16 rounding
+    config = SFTConfig(
+        output_dir=out,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        max_length=16,
+        bf16=False,
+    )  # SFTConfig's default autocasts to bf16, where two kernels differ by bf16 rounding
     peft_config = None
     if lora:
         from peft import LoraConfig
 
         # with "modules_to_save", PEFT trains a copy of the rotated head and embedding, which stay rotated
-        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False,
-                                 modules_to_save=["lm_head", "embed_tokens"] if lora == "modules_to_save" else None)
+        peft_config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            init_lora_weights=False,
+            modules_to_save=["lm_head", "embed_tokens"] if lora == "modules_to_save" else None,
+        )
     grads = first_grads_callback()
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}),
-                         processing_class=tiny_tokenizer(), callbacks=[grads], peft_config=peft_config)
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"input_ids": ids}),
+        processing_class=tiny_tokenizer(),
+        callbacks=[grads],
+        peft_config=peft_config,
+    )
     base = trainer.model.get_base_model() if lora else trainer.model
     head = base.forward.__func__.__code__.co_filename  # which fused_lm_head=True forward SFTTrainer installed
     trainer.train()
@@ -45,8 +68,9 @@ def _sft(model, out, lora):
 
 
 def _compare(ckpt, out, lora):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     torch.manual_seed(0)
     vanilla = _sft(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"), lora)
@@ -58,19 +82,29 @@ def _compare(ckpt, out, lora):
 @pytest.mark.parametrize("lora", [False, True, "modules_to_save"], ids=["full", "peft", "peft-modules-to-save"])
 def test_sft_trainer_matches_vanilla_ddp_in_losses_and_every_gradient(tmp_path, lora):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    (vanilla_logged, vanilla_grads, vanilla_head), (logged, grads, head) = run_on_ranks(_compare, 2, ckpt, str(tmp_path), lora)[0]
+    (vanilla_logged, vanilla_grads, vanilla_head), (logged, grads, head) = run_on_ranks(
+        _compare, 2, ckpt, str(tmp_path), lora
+    )[0]
     # the rotated model's per-token log-probs, entropy and top-1 come from the ring, not a gathered head
     assert vanilla_head.endswith(os.path.join("trl", "trainer", "utils.py"))
     # a PEFT copy of the head (modules_to_save) goes to TRL's own fused head, which gathers it (with a warning)
-    assert head.endswith(os.path.join("trl", "trainer", "utils.py") if lora == "modules_to_save"
-                         else os.path.join("hf_rtp", "integrations", "trl.py"))
+    assert head.endswith(
+        os.path.join("trl", "trainer", "utils.py")
+        if lora == "modules_to_save"
+        else os.path.join("hf_rtp", "integrations", "trl.py")
+    )
     assert grads.keys() == vanilla_grads.keys() and ("lm_head.weight" in grads) != bool(lora)
     if lora == "modules_to_save":
         assert "base_model.model.lm_head.modules_to_save.default.weight" in grads
     # two float32 loss kernels (TRL's and hf_rtp's) on a float64 model: ~3e-7 of each gradient's scale
     for name, grad in vanilla_grads.items():
-        torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-7,
-                                   atol=2e-6 * abs(grad).max(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            torch.from_numpy(grads[name]),
+            torch.from_numpy(grad),
+            rtol=1e-7,
+            atol=2e-6 * abs(grad).max(),
+            msg=lambda m: f"{name}: {m}",
+        )
     torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)  # loss, entropy, top-1 accuracy
     saved = {}
     for run in ("vanilla", "rotated"):  # the same files; the same tensors within 0.1% of an Adam step (lr 1e-2)

@@ -29,11 +29,23 @@ def _dpo(model, out):
     from trl import DPOConfig, DPOTrainer
 
     grads = first_grads_callback()
-    config = DPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-                       report_to=[], use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", bf16=False,
-                       dataset_num_proc=None)
-    trainer = DPOTrainer(model=model, args=config, train_dataset=_pairs(), processing_class=tiny_tokenizer(),
-                         callbacks=[grads])
+    config = DPOConfig(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        bf16=False,
+        dataset_num_proc=None,
+    )
+    trainer = DPOTrainer(
+        model=model, args=config, train_dataset=_pairs(), processing_class=tiny_tokenizer(), callbacks=[grads]
+    )
     reference = trainer.ref_model
     local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in reference.parameters())
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
@@ -45,8 +57,9 @@ def _dpo(model, out):
 
 
 def _both(ckpt, out):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     torch.manual_seed(0)
     vanilla = _dpo(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"))
@@ -58,39 +71,65 @@ def _both(ckpt, out):
 def test_dpo_reference_built_by_trl_is_rotated_and_training_matches_vanilla_ddp(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     for (vanilla_logged, vanilla_grads, vanilla_rotated, _, whole), (logged, grads, rotated, local, _) in run_on_ranks(
-            _both, 2, ckpt, str(tmp_path)):
+        _both, 2, ckpt, str(tmp_path)
+    ):
         assert rotated and not vanilla_rotated
         # embedding and head (101 x 32 each) and every projection split in two; norms whole
         assert local < 0.55 * whole, (local, whole)
         assert grads.keys() == vanilla_grads.keys() and "lm_head.weight" in grads
         for name, grad in vanilla_grads.items():  # TRL's and hf_rtp's fused heads: float32 kernels on a float64 model
-            torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-6,
-                                       atol=2e-6 * abs(grad).max(), msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(grads[name]),
+                torch.from_numpy(grad),
+                rtol=1e-6,
+                atol=2e-6 * abs(grad).max(),
+                msg=lambda m: f"{name}: {m}",
+            )
         torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)
 
 
 def _grpo(model, reward_model, out):
     import logging
 
-    import hf_rtp
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
+
+    import hf_rtp
 
     prompts = Dataset.from_list([{"prompt": f"t{5 + i} t{9 + i} t{20 + i}"} for i in range(8)])
 
     def length(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    config = GRPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, num_generations=2,
-                        max_completion_length=4, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=0,
-                        disable_tqdm=True, save_strategy="no", bf16=False, beta=0.1)  # beta > 0: TRL builds a reference
+    config = GRPOConfig(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        bf16=False,
+        beta=0.1,
+    )  # beta > 0: TRL builds a reference
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("hf_rtp").addHandler(handler)
     try:  # a whole reward model beside the policy: the same in both runs, warned about beside a rotated one
-        trainer = GRPOTrainer(model=model, reward_funcs=[length, reward_model], args=config, train_dataset=prompts,
-                              processing_class=tiny_tokenizer(), reward_processing_classes=[None, tiny_tokenizer()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[length, reward_model],
+            args=config,
+            train_dataset=prompts,
+            processing_class=tiny_tokenizer(),
+            reward_processing_classes=[None, tiny_tokenizer()],
+        )
     finally:
         logging.getLogger("hf_rtp").removeHandler(handler)
     rotated = hf_rtp.is_rotated(trainer.ref_model)
@@ -100,10 +139,9 @@ def _grpo(model, reward_model, out):
 
 
 def _grpo_both(ckpt, out):
-    import hf_rtp
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from transformers import AutoModelForSequenceClassification
+    import hf_rtp
 
     runs = []
     for load, name in ((AutoModelForCausalLM.from_pretrained, "vanilla"), (hf_rtp.from_pretrained, "rotated")):
@@ -116,10 +154,14 @@ def _grpo_both(ckpt, out):
 def test_grpo_with_a_kl_term_gets_a_rotated_reference_and_matches_vanilla_ddp(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     for rank, ((vanilla_rotated, vanilla_logged, vanilla_warned), (rotated, logged, warned)) in enumerate(
-            run_on_ranks(_grpo_both, 2, ckpt, str(tmp_path))):
+        run_on_ranks(_grpo_both, 2, ckpt, str(tmp_path))
+    ):
         assert rotated and not vanilla_rotated
         assert not vanilla_warned and len(warned) == (rank == 0), warned  # hf_rtp logs on rank 0
         if rank == 0:
-            assert "MB each) beside a rotated policy" in warned[0] and "hf_rtp.AutoModelForSequenceClassification" in warned[0]
+            assert (
+                "MB each) beside a rotated policy" in warned[0]
+                and "hf_rtp.AutoModelForSequenceClassification" in warned[0]
+            )
         assert logged[-1][1] > 0  # the KL to the reference is in the loss: the reference was used
         torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)  # loss, KL, reward

@@ -11,7 +11,14 @@ import os
 import pytest
 import torch
 from support.compare import (
-    DTYPE, STEP_ATOL, adamw, assert_matches, assert_same_model, float64_loss, save_and_check_reload, step_both,
+    DTYPE,
+    STEP_ATOL,
+    adamw,
+    assert_matches,
+    assert_same_model,
+    float64_loss,
+    save_and_check_reload,
+    step_both,
 )
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
@@ -19,11 +26,12 @@ from support.spawn import run_on_ranks
 
 def _load(ckpt, layout):
     """hf_rtp's model at `layout` ("rtp_size=K", or "mesh": rings {0, 2} and {1, 3}) and vanilla's."""
-    import hf_rtp
     import torch.distributed as dist
-    from hf_rtp.model.state import state_of
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.model.state import state_of
 
     with open(os.path.join(ckpt, "config.json")) as f:  # grouped_mm experts have no float64 kernel
         extra = {"experts_implementation": "eager"} if json.load(f)["model_type"] == "mixtral" else {}
@@ -67,7 +75,9 @@ def _train_and_save(ckpt, layout, out_dir):
 
 
 @pytest.mark.parametrize(
-    "arch,layout", [("llama", "rtp_size=2"), ("gpt2", "rtp_size=2"), ("mixtral", "mesh")], ids=["llama", "gpt2", "mixtral-mesh"]
+    "arch,layout",
+    [("llama", "rtp_size=2"), ("gpt2", "rtp_size=2"), ("mixtral", "mesh")],
+    ids=["llama", "gpt2", "mixtral-mesh"],
 )
 def test_two_replicas_of_two_rank_rings_train_save_like_vanilla_ddp(tmp_path, arch, layout):
     ckpt = make_tiny(arch, tmp_path / "ckpt")
@@ -116,7 +126,9 @@ def test_training_state_saved_at_2x2_resumes_at_1x4_4x1_and_on_two_ranks(tmp_pat
     state_dir = str(tmp_path / "checkpoint-1")
     numel = run_on_ranks(_save_at_2x2, 4, ckpt, state_dir)[0]
     # each chunk once, not once per replica: weights and AdamW's two moments, 8 bytes each, and headers
-    stored = sum(os.path.getsize(os.path.join(state_dir, f)) for f in os.listdir(state_dir) if f.endswith(".safetensors"))
+    stored = sum(
+        os.path.getsize(os.path.join(state_dir, f)) for f in os.listdir(state_dir) if f.endswith(".safetensors")
+    )
     assert 3 * 8 * numel <= stored < 1.25 * 3 * 8 * numel
     with open(os.path.join(state_dir, "training_state.json")) as f:
         assert json.load(f)["world_size"] == 4
@@ -174,7 +186,9 @@ def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tm
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
-    nbytes = {name: 4 * torch.Size(shape).numel() for name, shape in sizes.items() if len(shape) == 2}  # norms stay whole
+    nbytes = {
+        name: 4 * torch.Size(shape).numel() for name, shape in sizes.items() if len(shape) == 2
+    }  # norms stay whole
     k = 2
     walks = {name: 1 if "embed_tokens" in name else 2 for name in nbytes}
     expected_ring = sum(b * (k - 1) * (walks[name] + 1) for name, b in nbytes.items())
@@ -185,7 +199,6 @@ def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tm
 
 
 def _accumulate_two_micro_batches(ckpt):
-    import hf_rtp
     from support.compare import backward_both, rows
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -193,6 +206,7 @@ def _accumulate_two_micro_batches(ckpt):
     model.train(), ref.train()
     replicas = topology.ring.replica_sum
     seen = []
+
     # when autograd reaches the embedding (the last layer backward visits), every later layer's sum
     # over the replicas has started and none has been waited for: they overlap the backward
     def count_at_embedding(module, args, out):
@@ -210,8 +224,10 @@ def _accumulate_two_micro_batches(ckpt):
     head = model.lm_head.weight
     (mine,) = torch.autograd.grad(model(input_ids=batch).logits.sum() * (rank + 1), [head])
     ref_head = ref.lm_head.weight
-    (theirs,) = torch.autograd.grad(sum(ref(input_ids=b).logits.sum() * (r + 1)
-                                        for r, b in enumerate(global_batch(world, seed=2))) / world, [ref_head])
+    (theirs,) = torch.autograd.grad(
+        sum(ref(input_ids=b).logits.sum() * (r + 1) for r, b in enumerate(global_batch(world, seed=2))) / world,
+        [ref_head],
+    )
     torch.testing.assert_close(mine.to_local(), theirs[rows(head, topology.rtp_size, topology.rtp_rank)])
 
     # reentrant checkpointing runs each layer's backward in a backward of its own: the sums still complete

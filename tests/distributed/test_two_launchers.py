@@ -14,17 +14,35 @@ OLD, NEW = "a" * 40, "b" * 40
 
 
 def _launch(node: int, port: int, cache: str, out: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT, out]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        str(node),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        SCRIPT,
+        out,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": cache, "HF_RTP_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def test_two_nodes_of_two_ranks_train_save_like_vanilla_ddp_reading_one_revision(tmp_path):
     old, new = make_tiny("llama", tmp_path / "old", seed=0), make_tiny("llama", tmp_path / "new", seed=1)
-    caches = [fake_hub_cache(str(tmp_path / "node0"), "org/tiny", {OLD: old}),
-              fake_hub_cache(str(tmp_path / "node1"), "org/tiny", {OLD: old, NEW: new})]  # node 1's main moved on
+    caches = [
+        fake_hub_cache(str(tmp_path / "node0"), "org/tiny", {OLD: old}),
+        fake_hub_cache(str(tmp_path / "node1"), "org/tiny", {OLD: old, NEW: new}),
+    ]  # node 1's main moved on
     out, port = str(tmp_path / "out"), free_port()
     os.makedirs(out)
     procs = [_launch(node, port, caches[node], out) for node in (0, 1)]
@@ -40,4 +58,8 @@ def test_two_nodes_of_two_ranks_train_save_like_vanilla_ddp_reading_one_revision
     for rank, s in enumerate(seen):
         assert s["read"] == os.path.join(caches[rank // 2], "models--org--tiny", "snapshots", OLD)
     assert len({s["loss"] for s in seen}) == 4
-    assert sorted(os.listdir(os.path.join(out, "saved"))) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(os.path.join(out, "saved"))) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]

@@ -19,12 +19,34 @@ def make_qwen2_vl(path) -> str:
     from transformers import AutoModelForImageTextToText, Qwen2VLConfig
 
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=IMAGE, video_token_id=98, vision_start_token_id=START, vision_end_token_id=END)
+        text_config=dict(
+            vocab_size=101,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=16,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        image_token_id=IMAGE,
+        video_token_id=98,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -39,13 +61,17 @@ def _inputs(rank):
     text = torch.randint(3, 90, (1, 7), generator=gen)
     ids = torch.cat([torch.tensor([[START] + [IMAGE] * 4 + [END]]), text], dim=1)
     # what the processor returns beside the ids: the image's pixels in patches, and which tokens are image tokens
-    return ids, dict(pixel_values=torch.randn(16, 24, generator=gen, dtype=torch.float64), image_grid_thw=GRID,
-                     mm_token_type_ids=(ids == IMAGE).to(torch.int64))
+    return ids, dict(
+        pixel_values=torch.randn(16, 24, generator=gen, dtype=torch.float64),
+        image_grid_thw=GRID,
+        mm_token_type_ids=(ids == IMAGE).to(torch.int64),
+    )
 
 
 def _check(ckpt, world):
-    import hf_rtp
     from transformers import AutoModelForImageTextToText
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     kw = dict(dtype=torch.float64, attn_implementation="eager")
@@ -72,8 +98,14 @@ def _check(ckpt, world):
     model.eval(), vanilla.eval()
     generated = model.generate(input_ids=ids, **pixels, max_new_tokens=5, do_sample=False)
     expected = vanilla.generate(input_ids=ids, **pixels, max_new_tokens=5, do_sample=False)
-    return ((mine - logits[rank]).abs().max().item(), worst, torch.equal(generated, expected), generated.shape[1],
-            sorted(rotated), [n for n, _ in model.named_parameters() if n.startswith("model.visual.")])
+    return (
+        (mine - logits[rank]).abs().max().item(),
+        worst,
+        torch.equal(generated, expected),
+        generated.shape[1],
+        sorted(rotated),
+        [n for n, _ in model.named_parameters() if n.startswith("model.visual.")],
+    )
 
 
 def test_qwen2_vl_language_model_rotated_vision_whole_matches_vanilla(tmp_path):

@@ -18,7 +18,13 @@ import traceback
 import pytest
 import torch
 from support.compare import (
-    DTYPE, GRAD_ATOL, GRAD_RTOL, LR, STEP_ATOL, assert_matches, assert_same_model,
+    DTYPE,
+    GRAD_ATOL,
+    GRAD_RTOL,
+    LR,
+    STEP_ATOL,
+    assert_matches,
+    assert_same_model,
     forward_both,
 )
 from support.models import global_batch
@@ -34,8 +40,9 @@ BF16_ATOL = 3e-2  # bf16 rounding of tiny logits; a wrong chunk or a missing sca
 
 
 def _load_pair(ckpt, dtype, name):
-    import hf_rtp
     from transformers import AutoModelForCausalLM
+
+    import hf_rtp
 
     # eager attention and experts: float64 everywhere (grouped_mm has no float64 kernel), same math
     extra = dict(attn_implementation="eager")

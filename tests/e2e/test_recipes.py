@@ -16,7 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 TRAINER = os.path.join(ROOT, "recipes", "trainer_sft.py")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_RTP_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "recipes", "configs", "cpu.yaml")]
+ACCELERATE = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--config_file",
+    os.path.join(ROOT, "recipes", "configs", "cpu.yaml"),
+]
 
 
 def torchrun(n):
@@ -45,8 +51,14 @@ def default_run(tmp_path_factory):
 
 def _same_data(out):
     default = os.path.join(out, "default")
-    return ["--model", f"{default}/model", "--dataset", f"{default}/data/train.jsonl",
-            "--eval_dataset", f"{default}/data/eval.jsonl"]
+    return [
+        "--model",
+        f"{default}/model",
+        "--dataset",
+        f"{default}/data/train.jsonl",
+        "--eval_dataset",
+        f"{default}/data/eval.jsonl",
+    ]
 
 
 def test_default_run_learns_logs_and_saves_a_vanilla_checkpoint(default_run):
@@ -63,8 +75,21 @@ def test_default_run_learns_logs_and_saves_a_vanilla_checkpoint(default_run):
 
 
 def test_resume_reproduces_the_uninterrupted_run(default_run, tmp_path):
-    run([*torchrun(2), FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "8", "--eval_every", "0",
-         "--resume_from", os.path.join(default_run, "checkpoint-4"), *_same_data(default_run)])
+    run(
+        [
+            *torchrun(2),
+            FINETUNE,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "8",
+            "--eval_every",
+            "0",
+            "--resume_from",
+            os.path.join(default_run, "checkpoint-4"),
+            *_same_data(default_run),
+        ]
+    )
     resumed = metrics(tmp_path)
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     expected = [r["loss"] for r in metrics(default_run)[4:]]
@@ -72,8 +97,21 @@ def test_resume_reproduces_the_uninterrupted_run(default_run, tmp_path):
 
 
 def test_resume_on_three_processes_from_a_two_process_checkpoint(default_run, tmp_path):
-    done = run([*torchrun(3), FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "8", "--eval_every", "0",
-                "--resume_from", os.path.join(default_run, "checkpoint-4"), *_same_data(default_run)])
+    done = run(
+        [
+            *torchrun(3),
+            FINETUNE,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "8",
+            "--eval_every",
+            "0",
+            "--resume_from",
+            os.path.join(default_run, "checkpoint-4"),
+            *_same_data(default_run),
+        ]
+    )
     assert "(2 -> 3 ranks)" in done.stdout
     resumed = metrics(tmp_path)
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
@@ -86,17 +124,44 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
     a flat 2-rank checkpoint; one launcher of 4 processes in a flat ring takes the same steps."""
     from support.spawn import finish_launchers, free_port
 
-    resume = ["--max_steps", "6", "--eval_every", "0", "--resume_from", os.path.join(default_run, "checkpoint-4"),
-              *_same_data(default_run)]
+    resume = [
+        "--max_steps",
+        "6",
+        "--eval_every",
+        "0",
+        "--resume_from",
+        os.path.join(default_run, "checkpoint-4"),
+        *_same_data(default_run),
+    ]
     flat = tmp_path / "flat"
     run([*torchrun(4), FINETUNE, "--output_dir", str(flat), *resume])
     port, nodes = free_port(), tmp_path / "nodes"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              os.path.join(ROOT, "recipes", "configs", "multinode.yaml"), "--num_processes", "4",
-              "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no"]
-    procs = [subprocess.Popen([*launch, "--machine_rank", str(node), FINETUNE, "--output_dir", str(nodes),
-                               "--rtp_size", "2", *resume], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for node in (0, 1)]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(ROOT, "recipes", "configs", "multinode.yaml"),
+        "--num_processes",
+        "4",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+    ]
+    procs = [
+        subprocess.Popen(
+            [*launch, "--machine_rank", str(node), FINETUNE, "--output_dir", str(nodes), "--rtp_size", "2", *resume],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     outputs = finish_launchers(procs, timeout=300)
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-5000:]
@@ -114,8 +179,21 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
 def test_lora_with_gradient_checkpointing(default_run, tmp_path):
     from peft import PeftModel
 
-    run([*ACCELERATE, FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "4", "--eval_every", "0",
-         "--lora", "--gradient_checkpointing", *_same_data(default_run)])
+    run(
+        [
+            *ACCELERATE,
+            FINETUNE,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "4",
+            "--eval_every",
+            "0",
+            "--lora",
+            "--gradient_checkpointing",
+            *_same_data(default_run),
+        ]
+    )
     assert metrics(tmp_path)[-1]["loss"] < metrics(tmp_path)[0]["loss"]
     final = os.path.join(tmp_path, "final")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(final))
@@ -124,9 +202,22 @@ def test_lora_with_gradient_checkpointing(default_run, tmp_path):
 
 
 def test_trainer_recipe(default_run, tmp_path):
-    run([*ACCELERATE, TRAINER, "--output_dir", str(tmp_path), "--max_steps", "8",
-         "--model", os.path.join(default_run, "default", "model"),
-         "--dataset", os.path.join(default_run, "default", "data", "train.jsonl"), "--save_steps", "4"])
+    run(
+        [
+            *ACCELERATE,
+            TRAINER,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "8",
+            "--model",
+            os.path.join(default_run, "default", "model"),
+            "--dataset",
+            os.path.join(default_run, "default", "data", "train.jsonl"),
+            "--save_steps",
+            "4",
+        ]
+    )
     # plain Trainer's checkpoints, made collective: the weights vanilla loads, every rank's optimizer rows
     for step in (4, 8):
         checkpoint = os.path.join(tmp_path, f"checkpoint-{step}")
@@ -142,8 +233,22 @@ def test_trainer_recipe(default_run, tmp_path):
 
 
 def test_single_process_and_offline_push(default_run, tmp_path):
-    done = run([sys.executable, FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "3", "--eval_every", "0",
-                "--push_to_hub", "someone/tiny", *_same_data(default_run)], ok=False)
+    done = run(
+        [
+            sys.executable,
+            FINETUNE,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "3",
+            "--eval_every",
+            "0",
+            "--push_to_hub",
+            "someone/tiny",
+            *_same_data(default_run),
+        ],
+        ok=False,
+    )
     assert done.returncode != 0 and "could not push" in done.stderr and "checkpoint itself is complete" in done.stderr
     final = os.path.join(tmp_path, "final")
     sent = done.stdout.split("pushing to someone/tiny: ")[1].splitlines()[0].split(", ")
@@ -153,8 +258,19 @@ def test_single_process_and_offline_push(default_run, tmp_path):
 
 def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
     out = str(tmp_path / "run")
-    cmd = [*torchrun(2), FINETUNE, "--output_dir", out, "--max_steps", "500", "--save_every", "2",
-           "--eval_every", "0", *_same_data(default_run)]
+    cmd = [
+        *torchrun(2),
+        FINETUNE,
+        "--output_dir",
+        out,
+        "--max_steps",
+        "500",
+        "--save_every",
+        "2",
+        "--eval_every",
+        "0",
+        *_same_data(default_run),
+    ]
     job = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -171,16 +287,44 @@ def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
         if job.poll() is None:
             job.kill()
     steps_done = metrics(out)[-1]["step"]
-    run([*torchrun(2), FINETUNE, "--output_dir", out, "--max_steps", str(steps_done + 2), "--eval_every", "0",
-         "--resume_from", os.path.join(out, "checkpoint-2"), *_same_data(default_run)])
+    run(
+        [
+            *torchrun(2),
+            FINETUNE,
+            "--output_dir",
+            out,
+            "--max_steps",
+            str(steps_done + 2),
+            "--eval_every",
+            "0",
+            "--resume_from",
+            os.path.join(out, "checkpoint-2"),
+            *_same_data(default_run),
+        ]
+    )
     steps = [r["step"] for r in metrics(out)]
     assert steps[-steps_done:] == list(range(3, steps_done + 3))  # continued after checkpoint-2
 
 
 def test_gradient_accumulation_matches_a_larger_batch(default_run, tmp_path):
     # two micro-batches of 4 are the same 16 samples per step as the default batch of 8 on 2 ranks
-    run([*torchrun(2), FINETUNE, "--output_dir", str(tmp_path), "--max_steps", "4", "--eval_every", "0",
-         "--per_device_batch_size", "4", "--grad_accum", "2", *_same_data(default_run)])
+    run(
+        [
+            *torchrun(2),
+            FINETUNE,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "4",
+            "--eval_every",
+            "0",
+            "--per_device_batch_size",
+            "4",
+            "--grad_accum",
+            "2",
+            *_same_data(default_run),
+        ]
+    )
     expected = [r["loss"] for r in metrics(default_run)[:4]]
     assert [r["loss"] for r in metrics(tmp_path)] == pytest.approx(expected, abs=1e-4)
 
@@ -195,7 +339,21 @@ def test_text_and_parquet_datasets(default_run, tmp_path):
     first_losses = []
     for source in ("train.txt", "train.parquet"):
         out = tmp_path / source.replace(".", "-")
-        run([sys.executable, FINETUNE, "--output_dir", str(out), "--max_steps", "1", "--eval_every", "0",
-             "--model", os.path.join(default_run, "default", "model"), "--dataset", str(tmp_path / source)])
+        run(
+            [
+                sys.executable,
+                FINETUNE,
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "1",
+                "--eval_every",
+                "0",
+                "--model",
+                os.path.join(default_run, "default", "model"),
+                "--dataset",
+                str(tmp_path / source),
+            ]
+        )
         first_losses.append(metrics(out)[0]["loss"])
     assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-6)  # same texts, same blocks

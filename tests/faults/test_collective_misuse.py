@@ -17,11 +17,12 @@ ENTRY = {"HF_RTP_ENTRY_TIMEOUT": "5"}
 
 
 def _only_rank0_calls(ckpt, call, out):
-    import hf_rtp
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate
 
-    from datetime import timedelta
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     # the script's own world group, with a long timeout: rank 1's barrier below outwaits rank 0's failure
@@ -65,13 +66,19 @@ def test_a_call_made_by_one_rank_fails_there_within_the_entry_timeout(tmp_path, 
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-@pytest.mark.parametrize("call, env, expected", [
-    ("full_tensor", ENTRY, "full_tensor is collective: every rank of the ring must call it"),
-    ("redistribute", ENTRY, "redistribute is collective: every rank of the ring must call it"),
-    # no entry to meet at: the op's own collective times out (HF_RTP_TIMEOUT), and is named
-    ("w @ w.T", {"HF_RTP_TIMEOUT": "5"}, "aten.mm.default on a rotated tensor is collective: "
-                                                "every rank of its ring must run it"),
-])
+@pytest.mark.parametrize(
+    "call, env, expected",
+    [
+        ("full_tensor", ENTRY, "full_tensor is collective: every rank of the ring must call it"),
+        ("redistribute", ENTRY, "redistribute is collective: every rank of the ring must call it"),
+        # no entry to meet at: the op's own collective times out (HF_RTP_TIMEOUT), and is named
+        (
+            "w @ w.T",
+            {"HF_RTP_TIMEOUT": "5"},
+            "aten.mm.default on a rotated tensor is collective: every rank of its ring must run it",
+        ),
+    ],
+)
 def test_a_collective_on_a_rotated_tensor_made_by_one_rank_is_named(tmp_path, call, env, expected):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     (seconds, message), skipped = run_on_ranks(_only_rank0_calls, 2, ckpt, call, str(tmp_path / "out"), env=env)
@@ -103,8 +110,9 @@ def test_ranks_in_different_calls_both_fail_at_once_naming_the_calls(tmp_path):
 
 
 def _stall_in_backward(ckpt):
-    import hf_rtp
     import torch.distributed as dist
+
+    import hf_rtp
 
     rank = int(os.environ["RANK"])
     from datetime import timedelta
@@ -136,16 +144,25 @@ def test_hf_rtp_timeout_holds_when_accelerate_made_the_process_group(tmp_path):
     assert "ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT)" in message
 
 
-@pytest.mark.parametrize("variable, value", [
-    ("HF_RTP_TIMEOUT", "10 minutes"), ("HF_RTP_ENTRY_TIMEOUT", "-1"), ("HF_RTP_TIMEOUT", "1e14"),
-    ("HF_RTP_TIMEOUT", "100000000000000"), ("HF_RTP_ENTRY_TIMEOUT", "1e20"), ("HF_RTP_TIMEOUT", "0.001"),
-    ("HF_RTP_ENTRY_TIMEOUT", "8d"),
-])
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("HF_RTP_TIMEOUT", "10 minutes"),
+        ("HF_RTP_ENTRY_TIMEOUT", "-1"),
+        ("HF_RTP_TIMEOUT", "1e14"),
+        ("HF_RTP_TIMEOUT", "100000000000000"),
+        ("HF_RTP_ENTRY_TIMEOUT", "1e20"),
+        ("HF_RTP_TIMEOUT", "0.001"),
+        ("HF_RTP_ENTRY_TIMEOUT", "8d"),
+    ],
+)
 def test_a_bad_timeout_setting_is_a_clear_error(tmp_path, monkeypatch, variable, value):
     import hf_rtp
 
     monkeypatch.setenv(variable, value)
-    with pytest.raises(hf_rtp.TopologyError, match=f"{variable} .*from 1 second to 7 days: seconds like 600, or 90s.*'{value}'"):
+    with pytest.raises(
+        hf_rtp.TopologyError, match=f"{variable} .*from 1 second to 7 days: seconds like 600, or 90s.*'{value}'"
+    ):
         hf_rtp.from_pretrained(str(tmp_path / "checked-before-it-is-read"))
 
 
@@ -157,7 +174,9 @@ def test_a_timeout_argument_out_of_range_is_a_clear_error(tmp_path, value):
         hf_rtp.from_pretrained(str(tmp_path / "checked-before-it-is-read"), timeout=value)
 
 
-@pytest.mark.parametrize("value, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2M ", 120), ("1", 1), ("7d", 604800)])
+@pytest.mark.parametrize(
+    "value, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2M ", 120), ("1", 1), ("7d", 604800)]
+)
 def test_timeouts_take_seconds_or_a_unit(monkeypatch, value, seconds):
     from hf_rtp.settings import DEFAULT_TIMEOUT, as_timedelta
 
@@ -173,8 +192,9 @@ def test_the_entry_timeout_defaults_to_a_minute(monkeypatch):
 
 
 def _plain_accelerator(ckpt, built_first):
-    import hf_rtp
     from accelerate import Accelerator
+
+    import hf_rtp
 
     pattern = r"accelerate runs 1 process\(es\) but the rotated model spans 2 ranks.*cpu=True"
     if built_first:  # no cpu=True on a machine without CUDA: accelerate runs undistributed
@@ -197,8 +217,9 @@ def test_an_accelerator_that_runs_undistributed_is_refused(tmp_path, built_first
 
 
 def _trainer_without_use_cpu(ckpt):
-    import hf_rtp
     from transformers import Trainer, TrainingArguments
+
+    import hf_rtp
 
     model = hf_rtp.from_pretrained(ckpt)
     args = TrainingArguments(output_dir=os.path.join(os.path.dirname(ckpt), "out"), report_to=[])  # no use_cpu=True

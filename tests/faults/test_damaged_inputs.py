@@ -50,7 +50,9 @@ def test_a_float_weight_stored_as_int32_names_the_tensor(tmp_path):
     tensors = load_file(path)
     tensors["model.norm.weight"] = tensors["model.norm.weight"].view(torch.int32)  # same bytes, I32 header
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(hf_rtp.CheckpointError, match=r"model.norm.weight is stored as torch.int32 .* floating-point weight"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=r"model.norm.weight is stored as torch.int32 .* floating-point weight"
+    ):
         hf_rtp.from_pretrained(ckpt)
 
 

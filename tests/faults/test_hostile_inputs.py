@@ -36,8 +36,9 @@ def _refused_and_rss_growth(path):
 HOSTILE = {  # the library refuses the first two; the third it parses, at hundreds of MB and seconds
     "30 million empty objects in 90 MB": lambda: b'{"a":[' + b"{}," * 29_999_999 + b"{}]}",
     "100k-deep nesting": lambda: b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    "a million tensors": lambda: b"{" + b",".join(
-        b'"t%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i for i in range(1_000_000)) + b"}",
+    "a million tensors": lambda: (
+        b"{" + b",".join(b'"t%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i for i in range(1_000_000)) + b"}"
+    ),
 }
 
 
@@ -96,8 +97,10 @@ def test_a_broken_generation_config_warns_and_loads_as_vanilla_does(tmp_path, ca
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_length", "do_sample", "num_beams"):
         assert getattr(ours.generation_config, key) == getattr(vanilla.generation_config, key), key
     batch = torch.arange(10).reshape(1, 10)
-    assert torch.equal(ours.generate(batch, max_new_tokens=3, do_sample=False),
-                       vanilla.generate(batch, max_new_tokens=3, do_sample=False))
+    assert torch.equal(
+        ours.generate(batch, max_new_tokens=3, do_sample=False),
+        vanilla.generate(batch, max_new_tokens=3, do_sample=False),
+    )
 
 
 def test_an_index_bigger_than_any_real_one_is_refused_unread(tmp_path):

@@ -14,8 +14,13 @@ from support.spawn import kill_launcher, kill_matching
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 TIMEOUT_S = 10
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_RTP_TIMEOUT": str(TIMEOUT_S), "HF_RTP_ENTRY_TIMEOUT": "5",
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_RTP_TIMEOUT": str(TIMEOUT_S),
+    "HF_RTP_ENTRY_TIMEOUT": "5",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def _torchrun(out, *extra, fault=None, cause=None):
@@ -25,8 +30,22 @@ def _torchrun(out, *extra, fault=None, cause=None):
     # With a fault, torchrun looks at its ranks only every 60 s: it would otherwise SIGTERM the live rank
     # as soon as it sees the killed one die, before that rank can report the cause (on a busy machine)
     monitor = ["--monitor-interval", "60"] if fault else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *monitor, FINETUNE, "--output_dir",
-           out, "--eval_every", "0", "--save_every", "2", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        *monitor,
+        FINETUNE,
+        "--output_dir",
+        out,
+        "--eval_every",
+        "0",
+        "--save_every",
+        "2",
+        *extra,
+    ]
     start = time.monotonic()
     with tempfile.TemporaryFile("w+") as err:
         job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
@@ -63,7 +82,9 @@ def trained(tmp_path_factory):
         ("kill@load.read#1", "another rank died, was stopped"),
     ],
 )
-def test_a_rank_killed_or_stopped_ends_the_job_in_time_with_the_cause_and_the_last_checkpoint_resumes(trained, tmp_path, fault, cause):
+def test_a_rank_killed_or_stopped_ends_the_job_in_time_with_the_cause_and_the_last_checkpoint_resumes(
+    trained, tmp_path, fault, cause
+):
     out, clean_seconds = trained
     run = str(tmp_path / "run")
     os.makedirs(run)

@@ -52,7 +52,9 @@ def _load(ckpt, state_dir, variant="plain"):
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, plan="auto" if variant == "other_plan" else None)
     params = model.parameters()
-    optimizer = torch.optim.SGD(params, lr=1, momentum=0.9) if variant == "other_optimizer" else torch.optim.AdamW(params)
+    optimizer = (
+        torch.optim.SGD(params, lr=1, momentum=0.9) if variant == "other_optimizer" else torch.optim.AdamW(params)
+    )
     before = _local_params(model)
     try:
         extra = hf_rtp.load_training_state(state_dir, model, optimizer)
@@ -83,14 +85,27 @@ def _drop_files_record(folder):
 
 DAMAGE = {
     "deleted_shard": (lambda d: os.remove(os.path.join(d, _shards(d)[1])), r"is incomplete: shard-00002-\S+ missing"),
-    "truncated_shard": (lambda d: os.truncate(os.path.join(d, _shards(d)[0]), 1000), r"has 1000 bytes but was saved with"),
-    "bad_json": (lambda d: open(os.path.join(d, "training_state.json"), "w").write("{"), r"training_state.json is damaged"),
-    "stray_file": (lambda d: shutil.copy(os.path.join(d, _shards(d)[0]), os.path.join(d, "shard-00009.safetensors")),
-                   r"holds file\(s\) its save did not write \(shard-00009.safetensors\)"),
-    "deleted_shard_unrecorded": (lambda d: (_drop_files_record(d), os.remove(os.path.join(d, _shards(d)[1]))),
-                                 r"(holds \d+ of the \d+ elements of|it lacks model\.).*A file of the checkpoint is missing"),
+    "truncated_shard": (
+        lambda d: os.truncate(os.path.join(d, _shards(d)[0]), 1000),
+        r"has 1000 bytes but was saved with",
+    ),
+    "bad_json": (
+        lambda d: open(os.path.join(d, "training_state.json"), "w").write("{"),
+        r"training_state.json is damaged",
+    ),
+    "stray_file": (
+        lambda d: shutil.copy(os.path.join(d, _shards(d)[0]), os.path.join(d, "shard-00009.safetensors")),
+        r"holds file\(s\) its save did not write \(shard-00009.safetensors\)",
+    ),
+    "deleted_shard_unrecorded": (
+        lambda d: (_drop_files_record(d), os.remove(os.path.join(d, _shards(d)[1]))),
+        r"(holds \d+ of the \d+ elements of|it lacks model\.).*A file of the checkpoint is missing",
+    ),
     "other_optimizer": (lambda d: None, r"does not match this model and optimizer: it lacks optim\..*momentum_buffer"),
-    "other_plan": (lambda d: None, r"saved from a LlamaForCausalLM with plan 'llama', but this model is a LlamaForCausalLM with plan 'auto'"),
+    "other_plan": (
+        lambda d: None,
+        r"saved from a LlamaForCausalLM with plan 'llama', but this model is a LlamaForCausalLM with plan 'auto'",
+    ),
 }
 
 

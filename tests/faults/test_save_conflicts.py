@@ -60,13 +60,20 @@ def test_a_second_save_into_a_folder_being_saved_fails_and_destroys_nothing(tmp_
     hf_rtp.from_pretrained(ckpt).save_pretrained(out, max_shard_size="12KB")
     old = _sum(out)
     env = {**os.environ, "HF_RTP_FAULT": "stop@save.commit", "HF_HUB_OFFLINE": "1"}
-    first = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT, ckpt, out, "0.5"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", SAVE_SCRIPT, ckpt, out, "0.5"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     processes.append(first)
     _wait_until_stopped(first)  # it holds the folder's lock, its files staged
     during = snapshot(out)
     second = hf_rtp.from_pretrained(ckpt)
-    with pytest.raises(hf_rtp.CheckpointError, match=rf"another process \(pid {first.pid} on .*\) is saving into .*out"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=rf"another process \(pid {first.pid} on .*\) is saving into .*out"
+    ):
         second.save_pretrained(out, max_shard_size="12KB")
     assert snapshot(out) == during  # the first save's staged files and the old checkpoint, untouched
     assert _sum(out) == pytest.approx(old, rel=1e-12)  # a load meanwhile sees the old checkpoint
@@ -83,7 +90,9 @@ def test_a_killed_save_leaves_no_lock_behind(tmp_path, processes):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     out = str(tmp_path / "out")
     env = {**os.environ, "HF_RTP_FAULT": "kill@save.commit", "HF_HUB_OFFLINE": "1"}
-    first = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, ckpt, out, "0.5"], env=env, capture_output=True, timeout=300)
+    first = subprocess.run(
+        [sys.executable, "-c", SAVE_SCRIPT, ckpt, out, "0.5"], env=env, capture_output=True, timeout=300
+    )
     assert first.returncode == -signal.SIGKILL
     hf_rtp.from_pretrained(ckpt).save_pretrained(out, max_shard_size="12KB")  # the kernel released its lock
     assert not [f for f in os.listdir(out) if f.startswith(".hf_rtp")]  # its staging folder was provably its own
@@ -133,16 +142,25 @@ hf_rtp.save_training_state(sys.argv[2], model, optimizer, extra={"step": int(sys
 def test_a_second_training_state_save_into_one_folder_fails_and_destroys_nothing(tmp_path, processes):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     target = str(tmp_path / "state")
-    subprocess.run([sys.executable, "-c", STATE_SCRIPT, ckpt, target, "1"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", STATE_SCRIPT, ckpt, target, "1"], check=True, capture_output=True, timeout=300
+    )
     env = {**os.environ, "HF_RTP_FAULT": "stop@state.write", "HF_HUB_OFFLINE": "1"}
-    first = subprocess.Popen([sys.executable, "-c", STATE_SCRIPT, ckpt, target, "2"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", STATE_SCRIPT, ckpt, target, "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     processes.append(first)
     _wait_until_stopped(first)  # its files written into state.partial, the lock held
     during = snapshot(tmp_path)
     model = hf_rtp.from_pretrained(ckpt).train()
     optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(hf_rtp.CheckpointError, match=rf"another process \(pid {first.pid} on .*\) is saving into .*state"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=rf"another process \(pid {first.pid} on .*\) is saving into .*state"
+    ):
         hf_rtp.save_training_state(target, model, optimizer, extra={"step": 3})
     assert snapshot(tmp_path) == during
     assert hf_rtp.load_training_state(target, model, optimizer) == {"step": 1}  # a load meanwhile: the old one

@@ -25,7 +25,9 @@ def ckpt(tmp_path_factory):
 
 
 def _weights(model):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def _same(a, b):
@@ -117,7 +119,12 @@ def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_i
     finally:
         del os.environ["HF_RTP_FAULT"]
     assert _same(_weights(hf_rtp.from_pretrained(folder)), expected)
-    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(folder)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     assert (tmp_path / "out" / "tokenizer.json").read_text() == "the user's"
 
 
@@ -133,7 +140,9 @@ def test_a_training_state_is_never_saved_over_the_users_files(ckpt, tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     shutil.copytree(ckpt, run / "final")
     before = snapshot(tmp_path)
-    with pytest.raises(hf_rtp.CheckpointError, match=r"run exists and holds final, metrics.jsonl, which hf_rtp did not write"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=r"run exists and holds final, metrics.jsonl, which hf_rtp did not write"
+    ):
         hf_rtp.save_training_state(str(run), model, optimizer)
     assert snapshot(tmp_path) == before
     hf_rtp.save_training_state(str(run / "checkpoint-1"), model, optimizer)  # what the message suggests
@@ -151,7 +160,9 @@ def test_a_training_state_target_that_is_a_file_or_a_link_is_refused_untouched(c
         make_victim(tmp_path / "elsewhere")
         target.symlink_to(tmp_path / "elsewhere")
     before = snapshot(tmp_path)
-    with pytest.raises(hf_rtp.CheckpointError, match=f"ckpt-state is a {'file' if kind == 'file' else 'symbolic link'}, not a folder"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=f"ckpt-state is a {'file' if kind == 'file' else 'symbolic link'}, not a folder"
+    ):
         hf_rtp.save_training_state(str(target), model, optimizer)
     assert snapshot(tmp_path) == before
 
@@ -161,7 +172,9 @@ def test_a_foreign_partial_folder_in_the_way_is_refused_untouched(ckpt, tmp_path
     (tmp_path / "state.partial").mkdir()
     (tmp_path / "state.partial" / "draft.txt").write_text("the user's")
     before = snapshot(tmp_path)
-    with pytest.raises(hf_rtp.CheckpointError, match=r"state.partial is in the way of this save and was not written by hf_rtp"):
+    with pytest.raises(
+        hf_rtp.CheckpointError, match=r"state.partial is in the way of this save and was not written by hf_rtp"
+    ):
         hf_rtp.save_training_state(str(tmp_path / "state"), model, optimizer)
     assert snapshot(tmp_path) == before
 
@@ -180,8 +193,17 @@ def test_training_state_paths_are_normalised(ckpt, tmp_path, monkeypatch, spelli
 
 def test_extra_cannot_overwrite_hf_rtps_records(ckpt, tmp_path):
     model, optimizer = trained_one_step(ckpt)
-    extra = {"files": ["mine"], "rng": 1, "param_groups": None, "scheduler": "x", "identity": {}, "world_size": 8,
-             "format": 99, "extra": {"nested": True}, "step": 5}
+    extra = {
+        "files": ["mine"],
+        "rng": 1,
+        "param_groups": None,
+        "scheduler": "x",
+        "identity": {},
+        "world_size": 8,
+        "format": 99,
+        "extra": {"nested": True},
+        "step": 5,
+    }
     hf_rtp.save_training_state(str(tmp_path / "state"), model, optimizer, extra=extra)
     fresh, fresh_optimizer = _fresh(ckpt)
     assert hf_rtp.load_training_state(str(tmp_path / "state"), fresh, fresh_optimizer) == extra
@@ -204,7 +226,9 @@ def test_a_checkpoint_saved_before_extra_had_its_own_key_still_resumes(ckpt, tmp
     assert hf_rtp.load_training_state(str(state), *_fresh(ckpt)) == {"step": 4}
 
 
-def test_a_forged_journal_that_matches_every_file_still_removes_nothing_without_its_staging_folder(ckpt, tmp_path, hf_rtp_warnings):
+def test_a_forged_journal_that_matches_every_file_still_removes_nothing_without_its_staging_folder(
+    ckpt, tmp_path, hf_rtp_warnings
+):
     """A journal can be written to match the folder exactly (its files' inodes, sizes and times) and
     list the user's shards to remove; without the staging folder and marker of its save, nothing is."""
     import json
@@ -218,11 +242,19 @@ def test_a_forged_journal_that_matches_every_file_still_removes_nothing_without_
         return [stat_.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns]
 
     save_id = "f" * 32
-    (folder / ".hf_rtp-commit.json").write_text(json.dumps({
-        "format": "hf_rtp-commit/2", "save_id": save_id, "staging": ".hf_rtp-staging-" + save_id,
-        "entry": "model.safetensors", "moves": {"model.safetensors": {"new": ident("model.safetensors"), "old": None}},
-        "aside": {}, "remove": {"model-00001-of-00002.safetensors": ident("model-00001-of-00002.safetensors")},
-    }))
+    (folder / ".hf_rtp-commit.json").write_text(
+        json.dumps(
+            {
+                "format": "hf_rtp-commit/2",
+                "save_id": save_id,
+                "staging": ".hf_rtp-staging-" + save_id,
+                "entry": "model.safetensors",
+                "moves": {"model.safetensors": {"new": ident("model.safetensors"), "old": None}},
+                "aside": {},
+                "remove": {"model-00001-of-00002.safetensors": ident("model-00001-of-00002.safetensors")},
+            }
+        )
+    )
     before = snapshot(tmp_path)
     hf_rtp.from_pretrained(str(folder))
     assert snapshot(tmp_path) == before

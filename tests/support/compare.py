@@ -40,7 +40,9 @@ def assert_matches(model, ref, world, rank, what, atol=ATOL, rtol=RTOL):
         assert mine is not None and theirs is not None, f"{name}: missing {what}"
         if isinstance(p, DTensor):
             mine, theirs = mine.to_local(), theirs[rows(p, world, rank)]
-        torch.testing.assert_close(mine.detach(), theirs.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{what} of {name}: {m}")
+        torch.testing.assert_close(
+            mine.detach(), theirs.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{what} of {name}: {m}"
+        )
 
 
 def float64_loss(out, ids, config):

@@ -59,10 +59,19 @@ def plant_hostile(folder, victim) -> None:
     os.symlink(victim, os.path.join(folder, staging))
     with open(os.path.join(victim, ".hf_rtp-save.json"), "w") as f:
         json.dump({"hf_rtp_save": FAKE_ID}, f)
-    moves = {name: {"new": _identity(os.path.join(victim, name)), "old": _identity(os.path.join(folder, name))}
-             for name in ("model.safetensors", "config.json")}  # forged to match: only the link gives it away
-    journal = {"format": "hf_rtp-commit/2", "save_id": FAKE_ID, "staging": staging, "entry": "model.safetensors",
-               "moves": moves, "aside": {}, "remove": {}}
+    moves = {
+        name: {"new": _identity(os.path.join(victim, name)), "old": _identity(os.path.join(folder, name))}
+        for name in ("model.safetensors", "config.json")
+    }  # forged to match: only the link gives it away
+    journal = {
+        "format": "hf_rtp-commit/2",
+        "save_id": FAKE_ID,
+        "staging": staging,
+        "entry": "model.safetensors",
+        "moves": moves,
+        "aside": {},
+        "remove": {},
+    }
     with open(os.path.join(folder, ".hf_rtp-commit.json"), "w") as f:
         json.dump(journal, f)
     own = os.path.join(folder, ".hf_rtp-staging-users")

@@ -13,11 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(out_dir: str) -> None:
-    import hf_rtp
     import torch.distributed as dist
-    from hf_rtp.model.state import state_of
     from transformers import AutoModelForCausalLM
 
+    import hf_rtp
+    from hf_rtp.model.state import state_of
     from support.compare import DTYPE, adamw, save_and_check_reload, step_both
     from support.models import global_batch
 

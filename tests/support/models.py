@@ -23,13 +23,28 @@ def tiny_config(arch: str, tied: bool = False, **overrides):
     if arch == "llama":
         return tiny_llama_config(tied, **overrides)
     if arch == "gpt2":  # GPT-2 always ties wte and lm_head; dropout off so train() is deterministic
-        settings = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        settings = dict(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return GPT2Config(**{**settings, **overrides})
     if arch == "mixtral":  # 5 experts: uneven expert groups at 2 and 3 ranks
-        settings = dict(_SHARED, intermediate_size=24, num_key_value_heads=2, num_local_experts=5,
-                        num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
-                        tie_word_embeddings=tied)
+        settings = dict(
+            _SHARED,
+            intermediate_size=24,
+            num_key_value_heads=2,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            output_router_logits=True,
+            tie_word_embeddings=tied,
+        )
         return MixtralConfig(**{**settings, **overrides})
     if arch == "qwen2":  # q/k/v carry biases; tests load it with plan="auto" or a plan of their own
         settings = dict(_SHARED, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)

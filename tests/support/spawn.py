@@ -51,8 +51,15 @@ def _worker(rank, world_size, port, fn, args, inherited, env, results):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 300, attempts: int = 3,
-                 survivors: tuple[int, ...] | None = None):
+def run_on_ranks(
+    fn,
+    world_size: int,
+    *args,
+    env: dict | None = None,
+    timeout: float = 300,
+    attempts: int = 3,
+    survivors: tuple[int, ...] | None = None,
+):
     """fn(*args) on `world_size` processes; returns the per-rank results in rank order.
 
     With `survivors`, only those ranks are waited for (the others were killed or stopped on purpose
@@ -82,8 +89,10 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None):
     results = ctx.Queue()
     port = free_port()
     inherited = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, inherited, env, results))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, inherited, env, results))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcome = {}

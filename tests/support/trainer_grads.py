@@ -17,7 +17,12 @@ def first_grads_callback():
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if state.global_step == 0:
                 with torch.no_grad():
-                    self.grads = {n.removeprefix("module."): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                  else p.grad.clone()).numpy() for n, p in model.named_parameters() if p.grad is not None}
+                    self.grads = {
+                        n.removeprefix("module."): (
+                            p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                        ).numpy()
+                        for n, p in model.named_parameters()
+                        if p.grad is not None
+                    }
 
     return FirstGrads()

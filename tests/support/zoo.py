@@ -12,8 +12,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .models import VOCAB
 
-_BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # 5 experts: uneven expert groups at 2 and 3 ranks; the decoder plan's MoE settings
 _MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24)
 
@@ -23,28 +33,60 @@ ZOO: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", dict(sliding_window=4)),  # sliding-window attention shorter than the batch
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases, tied head
     "qwen3": ("qwen3", dict(head_dim=16)),  # q/k RMSNorm, head_dim != hidden/heads
-    "qwen2_moe": ("qwen2_moe", dict(_MOE, shared_expert_intermediate_size=20, decoder_sparse_step=1,
-                                    output_router_logits=True)),  # shared expert with a sigmoid gate
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(_MOE, shared_expert_intermediate_size=20, decoder_sparse_step=1, output_router_logits=True),
+    ),  # shared expert with a sigmoid gate
     "qwen3_moe": ("qwen3_moe", dict(_MOE, head_dim=8, output_router_logits=True)),
-    "mixtral": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=24,
-                                output_router_logits=True)),
+    "mixtral": (
+        "mixtral",
+        dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=24, output_router_logits=True),
+    ),
     "gemma": ("gemma", dict(head_dim=8)),  # scaled embedding, tied head, GeGLU
-    "gemma2": ("gemma2", dict(head_dim=8, sliding_window=4, final_logit_softcapping=30.0,
-                              attn_logit_softcapping=50.0)),  # logit soft-capping, 4 norms per layer
+    "gemma2": (
+        "gemma2",
+        dict(head_dim=8, sliding_window=4, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    ),  # logit soft-capping, 4 norms per layer
     "gemma3_text": ("gemma3_text", dict(head_dim=8, sliding_window=4, final_logit_softcapping=30.0)),
     "phi3": ("phi3", dict(tie_word_embeddings=False)),  # fused qkv_proj and gate_up_proj
-    "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
-                                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                        v_head_dim=8, num_key_value_heads=4)),  # MLA, shared experts, dense first
-    "gpt_oss": ("gpt_oss", dict(num_local_experts=5, num_experts_per_tok=2, head_dim=8, sliding_window=4,
-                                layer_types=["sliding_attention", "full_attention"])),  # transposed biased experts, sinks
-    "gpt2": ("gpt2", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                          attn_pdrop=0.0)),  # Conv1D, learned positions, tied
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            n_routed_experts=5,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_key_value_heads=4,
+        ),
+    ),  # MLA, shared experts, dense first
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),  # transposed biased experts, sinks
+    "gpt2": (
+        "gpt2",
+        dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),  # Conv1D, learned positions, tied
     "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False)),  # embed_out
     "olmo2": ("olmo2", {}),  # norms after attention and MLP, q/k norm over all heads
-    "granite": ("granite", dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5,
-                                attention_multiplier=0.2)),  # multipliers
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
+    ),  # multipliers
     "cohere": ("cohere", dict(logit_scale=0.5, use_qk_norm=False)),  # LayerNorm, parallel block, scaled logits
     "starcoder2": ("starcoder2", dict(use_bias=True, sliding_window=4)),  # biases, LayerNorm, GELU MLP
     "stablelm": ("stablelm", dict(partial_rotary_factor=0.25, use_qkv_bias=True)),  # partial rotary

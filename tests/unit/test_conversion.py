@@ -27,8 +27,10 @@ def test_per_expert_tensors_read_as_this_ranks_fused_rows(tmp_path):
     model = _empty(tiny_config("mixtral", num_hidden_layers=1))  # 5 experts, intermediate 24, hidden 32
     w1, w3 = [torch.randn(24, 32) for _ in range(5)], [torch.randn(24, 32) for _ in range(5)]
     stem = "model.layers.0.block_sparse_moe.experts"
-    entries = _stored(tmp_path, {**{f"{stem}.{e}.w1.weight": w1[e] for e in range(5)},
-                                 **{f"{stem}.{e}.w3.weight": w3[e] for e in range(5)}})
+    entries = _stored(
+        tmp_path,
+        {**{f"{stem}.{e}.w1.weight": w1[e] for e in range(5)}, **{f"{stem}.{e}.w3.weight": w3[e] for e in range(5)}},
+    )
     source = stored_sources(model, list(entries))["model.layers.0.mlp.experts.gate_up_proj"]
     fused = torch.stack([torch.cat([w1[e], w3[e]]) for e in range(5)])
     assert torch.equal(source.read(entries, (1, 3)), fused[1:3])  # reads experts 1 and 2 only
@@ -50,7 +52,9 @@ def test_ten_or_more_experts_are_stacked_in_number_order(tmp_path):
 
 def test_a_wrong_number_of_stored_experts_is_named(tmp_path):
     model = _empty(tiny_config("mixtral", num_hidden_layers=1))
-    entries = _stored(tmp_path, {f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight": torch.zeros(32, 24) for e in range(4)})
+    entries = _stored(
+        tmp_path, {f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight": torch.zeros(32, 24) for e in range(4)}
+    )
     with pytest.raises(CheckpointError, match=r"down_proj has 5 experts, but the checkpoint stores .*: 4\)"):
         stored_sources(model, list(entries))
 

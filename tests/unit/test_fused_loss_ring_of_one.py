@@ -19,11 +19,9 @@ from support.models import VOCAB
 from support.zoo import zoo_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from hf_rtp.model.fused_head import install_forward, read_head
-from hf_rtp.layers import RotatedLinear
-from hf_rtp.layers import fused_loss
 from hf_rtp.distributed.ring import Ring
-
+from hf_rtp.layers import RotatedLinear, fused_loss
+from hf_rtp.model.fused_head import install_forward, read_head
 
 FLOAT32_NOISE = 2e-6
 
@@ -64,8 +62,9 @@ def _assert_same_grads(model, ref, noise=FLOAT32_NOISE):
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         expected = theirs[name].grad
-        torch.testing.assert_close(p.grad, expected, atol=noise * expected.abs().max().item(), rtol=GRAD_RTOL,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.grad, expected, atol=noise * expected.abs().max().item(), rtol=GRAD_RTOL, msg=lambda m: f"{name}: {m}"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +74,10 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(fused_loss, "ROW_ALIGN", 1)
 
 
-@pytest.mark.parametrize("tokens, rows, elements", [(18, 101, 303), (1024, 7812, 4 * 2**20), (3072, 128256, 2**26),
-                                                    (5, 3, 9), (1, 128256, 2**22), (0, 10, 4)])
+@pytest.mark.parametrize(
+    "tokens, rows, elements",
+    [(18, 101, 303), (1024, 7812, 4 * 2**20), (3072, 128256, 2**26), (5, 3, 9), (1, 128256, 2**22), (0, 10, 4)],
+)
 def test_tiles_cover_every_logit_once_in_aligned_widths(tokens, rows, elements, monkeypatch):
     monkeypatch.setattr(fused_loss, "ROW_ALIGN", 64)
     seen = torch.zeros(rows, tokens, dtype=torch.int32)
@@ -90,10 +91,19 @@ def test_tiles_cover_every_logit_once_in_aligned_widths(tokens, rows, elements, 
 
 # llama: plain; gemma2: soft-capping (and a tied head); cohere: * logit_scale; granite: / logits_scaling;
 # phi: a biased head; mixtral: the aux loss added after ours; gpt2: tied, another backbone
-@pytest.mark.parametrize("name, overrides", [
-    ("llama", {}), ("gemma2", dict(final_logit_softcapping=2.0)), ("cohere", dict(logit_scale=3.0)),
-    ("granite", dict(logits_scaling=0.25)), ("phi", {}), ("mixtral", {}), ("gpt2", {}),
-], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("llama", {}),
+        ("gemma2", dict(final_logit_softcapping=2.0)),
+        ("cohere", dict(logit_scale=3.0)),
+        ("granite", dict(logits_scaling=0.25)),
+        ("phi", {}),
+        ("mixtral", {}),
+        ("gpt2", {}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_loss_and_every_gradient_match_vanilla(name, overrides):
     model, ref = _pair(name, **overrides)
     ids, labels = _batch()
@@ -122,7 +132,10 @@ def test_num_items_in_batch_and_shift_labels_as_vanilla():
     model, ref = _pair("llama")
     ids, labels = _batch()
     n = torch.tensor(23)  # Trainer's count over all accumulated micro-batches
-    out, expected = model(input_ids=ids, labels=labels, num_items_in_batch=n), ref(input_ids=ids, labels=labels, num_items_in_batch=n)
+    out, expected = (
+        model(input_ids=ids, labels=labels, num_items_in_batch=n),
+        ref(input_ids=ids, labels=labels, num_items_in_batch=n),
+    )
     torch.testing.assert_close(out.loss, expected.loss, atol=1e-6, rtol=1e-6)
     out.loss.backward(), expected.loss.backward()
     _assert_same_grads(model, ref)
@@ -138,7 +151,9 @@ def test_all_ignored_is_nan_like_vanilla():
     ids, _ = _batch()
     labels = torch.full_like(ids, -100)
     with torch.no_grad():
-        assert torch.isnan(model(input_ids=ids, labels=labels).loss) and torch.isnan(ref(input_ids=ids, labels=labels).loss)
+        assert torch.isnan(model(input_ids=ids, labels=labels).loss) and torch.isnan(
+            ref(input_ids=ids, labels=labels).loss
+        )
 
 
 def test_logits_wherever_users_read_them():

@@ -66,7 +66,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], se
 
 
 def layer_of(name: str, top: str) -> int:
-    rest = name[len(top) + 1:] if name != top else ""
+    rest = name[len(top) + 1 :] if name != top else ""
     for rank, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
             if rest == prefix or (prefix and rest.startswith(prefix + ".")):
@@ -144,7 +144,9 @@ def test_the_checker_finds_a_hidden_cycle_an_upward_import_and_transformers_in_d
         (package / folder / "__init__.py").write_text("")
     (package / "errors.py").write_text("")
     (package / "distributed" / "ring.py").write_text("from .. import errors\nfrom .groups import make\n")
-    (package / "distributed" / "groups.py").write_text("from ..log import x\ndef make():\n    from .ring import Ring  # hidden\n")
+    (package / "distributed" / "groups.py").write_text(
+        "from ..log import x\ndef make():\n    from .ring import Ring  # hidden\n"
+    )
     (package / "log.py").write_text("import transformers.utils\n")
     (package / "model" / "state.py").write_text("def f():\n    from ..tools import cli\n")
     (package / "tools" / "cli.py").write_text("import os\n")

@@ -4,11 +4,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_rtp.layers import RotatedEmbedding, RotatedLinear
 from hf_rtp.distributed.ring import Ring
+from hf_rtp.distributed.sharding import ChunkLayout
+from hf_rtp.layers import RotatedEmbedding, RotatedLinear
 from hf_rtp.layers.embedding import _RotatedEmbeddingFn
 from hf_rtp.layers.linear import _RotatedLinearFn
-from hf_rtp.distributed.sharding import ChunkLayout
 
 
 def test_linear_backward_by_gradcheck():

@@ -5,9 +5,10 @@ import json
 import os
 
 import pytest
+from transformers import LlamaConfig
+
 from hf_rtp.tools import memory
 from hf_rtp.tools.bench.presets import PRESETS
-from transformers import LlamaConfig
 
 
 @pytest.fixture
@@ -47,7 +48,11 @@ def test_estimate_scales_with_world_size_and_optimizer(config_only):
 
 def test_rings_of_k_hold_what_a_flat_ring_of_k_holds_and_hsdp_what_fsdp2_over_k_holds(config_only, capsys):
     config = memory.load_config(str(config_only))
-    grid, flat_two, flat_four = memory.estimate(config, 4, rtp_size=2), memory.estimate(config, 2), memory.estimate(config, 4)
+    grid, flat_two, flat_four = (
+        memory.estimate(config, 4, rtp_size=2),
+        memory.estimate(config, 2),
+        memory.estimate(config, 4),
+    )
     assert grid["rtp"] == flat_two["rtp"] > flat_four["rtp"]  # replicas do not share a chunk's memory
     assert grid["hsdp"] == flat_two["fsdp2"] > grid["fsdp2"] == flat_four["fsdp2"]
     assert "hsdp" not in flat_four  # no replicas, no HSDP line
@@ -97,15 +102,22 @@ def test_results_are_json_serialisable(config_only):
 def test_architecture_without_a_plan_is_estimated_with_the_automatic_plan():
     from transformers import Qwen2Config
 
-    config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     one, two = memory.estimate(config, 1), memory.estimate(config, 2)
     assert two["rtp"] < one["rtp"] == one["single"]
 
 
 STORED = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "results")
-RESULTS = [path for path in sorted(glob.glob(os.path.join(STORED, "*.json")))
-           if "results" in json.load(open(path))]  # not the --budget-gb runs
+RESULTS = [
+    path for path in sorted(glob.glob(os.path.join(STORED, "*.json"))) if "results" in json.load(open(path))
+]  # not the --budget-gb runs
 
 
 def test_the_stored_bench_results_are_found():
@@ -125,10 +137,15 @@ def test_estimate_is_within_15_percent_of_every_measured_strategy(path):
     checked = 0
     for row in result["results"]:
         grid = row["strategy"] == "rtp-2d"  # RTP as rings of rtp_size ranks
-        estimates = memory.estimate(config, row["world_size"], batch=settings["batch"], seq=settings["seq"],
-                                    dtype=settings["dtype"],
-                                    gradient_checkpointing=settings.get("gradient_checkpointing", False),
-                                    rtp_size=row["rtp_size"] if grid else None)
+        estimates = memory.estimate(
+            config,
+            row["world_size"],
+            batch=settings["batch"],
+            seq=settings["seq"],
+            dtype=settings["dtype"],
+            gradient_checkpointing=settings.get("gradient_checkpointing", False),
+            rtp_size=row["rtp_size"] if grid else None,
+        )
         strategy = "rtp" if grid else row["strategy"]
         if strategy in estimates:  # not the zero-loss run, which only measures the loss's share
             assert estimates[strategy] / 1e9 == pytest.approx(row["peak_gb"], rel=0.15), row["strategy"]

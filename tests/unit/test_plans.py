@@ -38,7 +38,10 @@ def test_uncovered_parameter_is_named():
     llama = plans.get("llama")
     rotate = {k: v for k, v in llama.rotate.items() if k != "lm_head"}
     plan = Plan(name="partial", rotate=rotate, replicate=llama.replicate)
-    with pytest.raises(PlanError, match=r"plan 'partial' covers neither rotation nor replication for 1 parameter\(s\): lm_head.weight\."):
+    with pytest.raises(
+        PlanError,
+        match=r"plan 'partial' covers neither rotation nor replication for 1 parameter\(s\): lm_head.weight\.",
+    ):
         plan.resolve(_empty_llama())
 
 
@@ -49,7 +52,9 @@ def test_parameter_both_rotated_and_replicated_is_an_error():
 
 
 def test_kind_must_fit_module_type():
-    with pytest.raises(PlanError, match="model.norm is a LlamaRMSNorm, but kind 'linear' rotates nn.Linear modules only when"):
+    with pytest.raises(
+        PlanError, match="model.norm is a LlamaRMSNorm, but kind 'linear' rotates nn.Linear modules only when"
+    ):
         Plan(rotate={"model.norm": "linear"}).resolve(_empty_llama())
     with pytest.raises(PlanError, match="unknown layer kind 'conv'"):
         Plan(rotate={"lm_head": "conv"}).resolve(_empty_llama())
@@ -57,7 +62,8 @@ def test_kind_must_fit_module_type():
 
 def test_unknown_model_type_lists_supported():
     with pytest.raises(
-        plans.UnsupportedModelError, match=r"no plan for model_type 'bert'. Supported: deepseek_v3, gemma, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe.*plan='auto'"
+        plans.UnsupportedModelError,
+        match=r"no plan for model_type 'bert'. Supported: deepseek_v3, gemma, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe.*plan='auto'",
     ):
         plans.get("bert")
 
@@ -78,8 +84,11 @@ def _with_scaled_down_proj(model):
 
 def test_a_linear_subclass_with_its_own_forward_is_refused_by_name():
     model = _with_scaled_down_proj(_empty_llama())
-    with pytest.raises(PlanError, match=r"model.layers.0.mlp.down_proj is a _ScaledLinear, .* _ScaledLinear overrides "
-                                        r"Linear.forward"):
+    with pytest.raises(
+        PlanError,
+        match=r"model.layers.0.mlp.down_proj is a _ScaledLinear, .* _ScaledLinear overrides "
+        r"Linear.forward",
+    ):
         plans.get("llama").resolve(model)
 
 
@@ -90,8 +99,10 @@ def test_auto_keeps_such_a_module_whole_and_says_why(caplog):
     assert "model.layers.0.mlp.down_proj" not in resolution.rotated
     assert "model.layers.0.mlp.down_proj.weight" in resolution.replicated
     assert "model.layers.1.mlp.down_proj" in resolution.rotated
-    assert "kept whole because no layer kind reproduces them exactly: model.layers.0.mlp.down_proj (_ScaledLinear " \
-           "overrides Linear.forward" in caplog.text
+    assert (
+        "kept whole because no layer kind reproduces them exactly: model.layers.0.mlp.down_proj (_ScaledLinear "
+        "overrides Linear.forward" in caplog.text
+    )
 
 
 def test_gemmas_scaled_embedding_is_adapted_and_an_edited_copy_refused():
@@ -142,10 +153,14 @@ def test_auto_plan_warns_apart_when_most_parameters_stay_whole(caplog):
         falcon = AutoModelForCausalLM.from_config(zoo_config("falcon"))
     with caplog.at_level(logging.WARNING, logger="hf_rtp"):
         plan = auto_plan(falcon)  # FalconLinear's forward is a plain linear written out: rotated
-    assert "transformer.h.0.mlp.dense_h_to_4h" in plan.rotate and not any("whole on every rank" in r.message for r in caplog.records)
+    assert "transformer.h.0.mlp.dense_h_to_4h" in plan.rotate and not any(
+        "whole on every rank" in r.message for r in caplog.records
+    )
     for name, module in list(falcon.named_modules()):
         if isinstance(module, FalconLinear):
-            falcon.set_submodule(name, _ScaledLinear(module.in_features, module.out_features, bias=False, device="meta"))
+            falcon.set_submodule(
+                name, _ScaledLinear(module.in_features, module.out_features, bias=False, device="meta")
+            )
     with caplog.at_level(logging.WARNING, logger="hf_rtp"):
         plan = auto_plan(falcon)
     (record,) = [r for r in caplog.records if "whole on every rank" in r.message]
@@ -158,9 +173,17 @@ def test_the_vision_language_plans_cover_qwen2_5_vl_as_they_cover_qwen2_vl():
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=32))
+        text_config=dict(
+            vocab_size=101,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+        ),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=32),
+    )
     with init_empty_weights():
         model = AutoModelForImageTextToText.from_config(config)
     resolution = plans.get("qwen2_5_vl").resolve(model)  # every parameter covered exactly once

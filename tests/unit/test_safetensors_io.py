@@ -1,4 +1,5 @@
 import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -86,7 +87,11 @@ def _gap(h):
 
 @pytest.mark.parametrize(
     "edit, extra, message",
-    [(_shared, b"", "overlaps a"), (lambda h: h, b"\0" * 8, "8 bytes after the last tensor"), (_gap, b"\0" * 8, "gap of 8")],
+    [
+        (_shared, b"", "overlaps a"),
+        (lambda h: h, b"\0" * 8, "8 bytes after the last tensor"),
+        (_gap, b"\0" * 8, "gap of 8"),
+    ],
 )
 def test_tensors_must_tile_the_data_as_safetensors_requires(tmp_path, edit, extra, message):
     path = str(tmp_path / "d.safetensors")

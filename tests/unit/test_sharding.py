@@ -28,6 +28,7 @@ def test_chunk_zero_and_its_first_piece_are_the_largest():
     import math
 
     import torch
+
     from hf_rtp.distributed.sharding import ChunkLayout
 
     for rows in (1, 2, 5, 10, 101):
@@ -37,7 +38,10 @@ def test_chunk_zero_and_its_first_piece_are_the_largest():
             assert layout.max_numel() == max(numels)
             for cap in (1, 4, 9, 1000):
                 pieces = layout.pieces_for(cap)
-                sizes = [sum(math.prod(s) for s in layout.shapes_of(layout.piece(j, p, pieces)))
-                         for j in range(world) for p in range(pieces)]
+                sizes = [
+                    sum(math.prod(s) for s in layout.shapes_of(layout.piece(j, p, pieces)))
+                    for j in range(world)
+                    for p in range(pieces)
+                ]
                 assert layout.max_piece_numel(pieces) == max(sizes)
                 assert max(sizes) <= max(cap, 4)  # within the cap, unless one row (4 elements) is larger

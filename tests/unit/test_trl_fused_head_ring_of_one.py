@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_loss_ring_of_one import FLOAT32_NOISE, _assert_same_grads, _batch, _pair
-from test_fused_loss_ring_of_one import small_blocks  # noqa: F401 (small tiles here too)
+from test_fused_loss_ring_of_one import (
+    FLOAT32_NOISE,
+    _assert_same_grads,
+    _batch,
+    _pair,
+    small_blocks,  # noqa: F401 (small tiles here too)
+)
 
 pytest.importorskip("trl")
 
@@ -35,9 +40,17 @@ def _run(model, ids, labels, entropy_weight, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("llama", {}), ("gemma2", dict(final_logit_softcapping=2.0)), ("cohere", dict(logit_scale=3.0)),
-    ("phi", {}), ("mixtral", dict(output_router_logits=True)), ("gpt2", {})])
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("llama", {}),
+        ("gemma2", dict(final_logit_softcapping=2.0)),
+        ("cohere", dict(logit_scale=3.0)),
+        ("phi", {}),
+        ("mixtral", dict(output_router_logits=True)),
+        ("gpt2", {}),
+    ],
+)
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.3])
 def test_outputs_and_every_gradient_match_trl(name, overrides, entropy_weight):
     model, ref = _trl_pair(name, **overrides)

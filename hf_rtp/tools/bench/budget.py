@@ -21,9 +21,16 @@ def largest_batch(config, strategy: str, world_size: int, args) -> int:
     fits = 0
     for batch in range(1, MAX_BATCH + 1):
         grid = strategy == "rtp-2d"  # estimated as RTP on rings of --rtp-size
-        estimate = memory.estimate(config, world_size, batch=batch, seq=args.seq, dtype=args.dtype,
-                                   gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
-                                   rtp_size=args.rtp_size if grid else None)["rtp" if grid else strategy]
+        estimate = memory.estimate(
+            config,
+            world_size,
+            batch=batch,
+            seq=args.seq,
+            dtype=args.dtype,
+            gradient_checkpointing=args.gradient_checkpointing,
+            autocast=args.autocast,
+            rtp_size=args.rtp_size if grid else None,
+        )["rtp" if grid else strategy]
         if estimate / 1e9 > args.budget_gb:
             break
         fits = batch
@@ -46,7 +53,9 @@ def run(args, checkpoint: str, config, runs: list[tuple[str, int]], measure) -> 
                 break
             print(f"  peak {measured['peak_gb']:.2f} GB is over {args.budget_gb} GB: one sequence less", flush=True)
             batch -= 1
-        rows.append(row or {"strategy": strategy, "world_size": n, "batch": 0, "peak_gb": math.nan, "tokens_per_s": 0.0})
+        rows.append(
+            row or {"strategy": strategy, "world_size": n, "batch": 0, "peak_gb": math.nan, "tokens_per_s": 0.0}
+        )
     return rows
 
 
@@ -55,8 +64,10 @@ def table(rows: list[dict], budget_gb: float) -> str:
     lines = [f"within {budget_gb} GB per rank", head, "-" * len(head)]
     for r in rows:
         fits = r["batch"] > 0
-        lines.append(f"{r['strategy']:<14} {r['world_size']:>2} {r['batch'] if fits else 'none fits':>13} "
-                     f"{r['peak_gb'] if fits else math.nan:>12.3f} {r['tokens_per_s']:>9.0f}")
+        lines.append(
+            f"{r['strategy']:<14} {r['world_size']:>2} {r['batch'] if fits else 'none fits':>13} "
+            f"{r['peak_gb'] if fits else math.nan:>12.3f} {r['tokens_per_s']:>9.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -74,8 +85,10 @@ def chart(rows: list[dict], args, path: str) -> None:
         note = f"batch {r['batch']}" if r["batch"] else "none fits"
         ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_ylabel("global tokens/s")
-    ax.set_title(f"largest batch x {args.seq} tokens within {args.budget_gb} GB per rank, {args.dtype}"
-                 + (", bf16 autocast" if args.autocast else ""))
+    ax.set_title(
+        f"largest batch x {args.seq} tokens within {args.budget_gb} GB per rank, {args.dtype}"
+        + (", bf16 autocast" if args.autocast else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -15,14 +15,21 @@ import time
 
 import torch
 
-from ...model.fused_head import install_forward
-from ...layers import RotatedLinear
 from ...distributed.ring import Ring
+from ...layers import RotatedLinear
+from ...model.fused_head import install_forward
 
 # Llama-3.2-1B's head and width (vocabulary 128256, hidden 2048, tied) on two layers: the head and
 # its loss are what this measures; more layers only add the same backbone to both sides.
-SHAPE = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
-             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+SHAPE = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    tie_word_embeddings=True,
+)
 
 
 def _models(dtype, variants=("vanilla", "unfused", "fused")):
@@ -69,8 +76,9 @@ def accuracy(tokens=2048, autocast=False):
     report = {"tokens": tokens, "weights": str(dtype), "autocast_bf16": autocast, "loss_float64": truth}
     for name, model in models.items():
         loss = _step(model, ids, labels, autocast).item()
-        worst = max((p.grad.double() - grads[n]).norm().item() / grads[n].norm().item()
-                    for n, p in model.named_parameters())
+        worst = max(
+            (p.grad.double() - grads[n]).norm().item() / grads[n].norm().item() for n, p in model.named_parameters()
+        )
         report[name] = {"loss": loss, "loss_error": abs(loss - truth), "worst_relative_grad_error": worst}
     del exact, models
     torch.cuda.empty_cache()
@@ -96,12 +104,16 @@ def memory_and_time(tokens, dtype=torch.bfloat16, repeats=5):
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-        report[name] = {"peak_above_weights_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
-                        "step_s": sorted(times)[len(times) // 2]}
+        report[name] = {
+            "peak_above_weights_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
+            "step_s": sorted(times)[len(times) // 2],
+        }
         del model
         torch.cuda.empty_cache()
     for name in ("vanilla", "unfused"):
-        report[f"fused_over_{name}_memory"] = report["fused"]["peak_above_weights_gb"] / report[name]["peak_above_weights_gb"]
+        report[f"fused_over_{name}_memory"] = (
+            report["fused"]["peak_above_weights_gb"] / report[name]["peak_above_weights_gb"]
+        )
         report[f"fused_over_{name}_time"] = report["fused"]["step_s"] / report[name]["step_s"]
     return report
 
@@ -113,9 +125,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
-              "accuracy": [accuracy(), accuracy(autocast=True)],
-              "memory_and_time": [memory_and_time(t) for t in args.tokens]}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": SHAPE,
+        "accuracy": [accuracy(), accuracy(autocast=True)],
+        "memory_and_time": [memory_and_time(t) for t in args.tokens],
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

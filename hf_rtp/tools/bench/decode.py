@@ -21,24 +21,50 @@ STRATEGIES = ("ddp", "tp", "rtp", "rtp-whole")
 
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]:
-    worker_args = [strategy, checkpoint, "--seq", str(args.seq), "--dtype", args.dtype, "--device", args.device,
-                   "--threads", str(args.threads), "--generate", args.generate, "--new-tokens", str(args.new_tokens)]
+    worker_args = [
+        strategy,
+        checkpoint,
+        "--seq",
+        str(args.seq),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+        "--generate",
+        args.generate,
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     if args.autocast:
         worker_args.append("--autocast")
-    reports = run_ranks("hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
+    reports = run_ranks(
+        "hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout
+    )
     rows = []
     for k, run in enumerate(reports[0]["decode"]):
         per_rank = [r["decode"][k] for r in reports]
         if args.device == "cuda":
             peak = max(p["cuda_peak"] for p in per_rank)
         else:
-            peak = max(peak_between(r["rss_samples"], p["start"], p["end"]) - r["baseline_rss"]
-                       for r, p in zip(reports, per_rank))
+            peak = max(
+                peak_between(r["rss_samples"], p["start"], p["end"]) - r["baseline_rss"]
+                for r, p in zip(reports, per_rank)
+            )
         seconds = max(p["seconds"] for p in per_rank)
         sequences = run["batch"] * (1 if strategy == "tp" else world_size)  # TP decodes one batch on all ranks
-        rows.append({"strategy": strategy, "world_size": world_size, "batch": run["batch"], "seconds": seconds,
-                     "tokens_per_s": sequences * args.new_tokens / seconds, "peak_gb": peak / 1e9,
-                     "gather_s": max((p["gather_s"] or 0.0) for p in per_rank) if strategy == "rtp-whole" else None})
+        rows.append(
+            {
+                "strategy": strategy,
+                "world_size": world_size,
+                "batch": run["batch"],
+                "seconds": seconds,
+                "tokens_per_s": sequences * args.new_tokens / seconds,
+                "peak_gb": peak / 1e9,
+                "gather_s": max((p["gather_s"] or 0.0) for p in per_rank) if strategy == "rtp-whole" else None,
+            }
+        )
     return rows
 
 
@@ -47,8 +73,10 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         gather = f"   (gathered in {r['gather_s']:.2f} s)" if r.get("gather_s") is not None else ""
-        lines.append(f"{r['strategy']:<9} {r['world_size']:>2} {r['batch']:>10} {r['seconds']:>9.2f} "
-                     f"{r['tokens_per_s']:>12.1f} {r['peak_gb']:>12.3f}" + gather)
+        lines.append(
+            f"{r['strategy']:<9} {r['world_size']:>2} {r['batch']:>10} {r['seconds']:>9.2f} "
+            f"{r['tokens_per_s']:>12.1f} {r['peak_gb']:>12.3f}" + gather
+        )
     return "\n".join(lines)
 
 
@@ -61,8 +89,10 @@ def ratios(rows: list[dict]) -> list[str]:
         for other in ("ddp", "tp", "rtp-whole"):
             o = by.get((other, n, batch))
             if o:
-                out.append(f"N={n} batch {batch}: rtp/{other}: tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x, "
-                           f"memory {rtp['peak_gb'] / o['peak_gb']:.2f}x")
+                out.append(
+                    f"N={n} batch {batch}: rtp/{other}: tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x, "
+                    f"memory {rtp['peak_gb'] / o['peak_gb']:.2f}x"
+                )
     return out
 
 
@@ -101,8 +131,11 @@ def run(args, checkpoint: str, sizes: list[int], strategies: list[str], name: st
             except RuntimeError as err:  # e.g. TP when the heads do not divide by N: report it, run the rest
                 print(f"  {strategy} on {n} rank(s) failed: {str(err).strip().splitlines()[-1]}", flush=True)
                 failed.append({"strategy": strategy, "world_size": n, "error": str(err)[-4000:]})
-    title = (f"{name}: greedy decode of {args.new_tokens} tokens after {args.seq}, {args.dtype}"
-             + (", bf16 autocast" if args.autocast else "") + f", {args.device}")
+    title = (
+        f"{name}: greedy decode of {args.new_tokens} tokens after {args.seq}, {args.dtype}"
+        + (", bf16 autocast" if args.autocast else "")
+        + f", {args.device}"
+    )
     print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))
     result = {"settings": vars(args), "checkpoint": checkpoint, "decode": rows, "failed": failed}
     with open(os.path.join(args.output, "generate.json"), "w") as f:

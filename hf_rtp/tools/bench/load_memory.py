@@ -25,8 +25,8 @@ STRATEGIES = ("rtp", "tp", "plain")
 def make_checkpoint(path: str, layers: int = 8) -> None:
     """A Llama of ~2 GB in fp32 (about 490M parameters), written without ever holding it whole."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
     from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hf_rtp.checkpoint.safetensors_io import StreamingWriter
 
@@ -58,7 +58,9 @@ def measure(strategy: str, checkpoint: str, world_size: int, save_to: str | None
     """Start the strategy's processes and return, per rank, its peak VmRSS and what it reported."""
     world = 1 if strategy == "plain" else world_size
     extra = {"HF_RTP_BENCH_SAVE_DIR": save_to} if save_to else None
-    reports = run_ranks("hf_rtp.tools.bench.load_memory", ["--child", strategy, "--checkpoint", checkpoint], world, extra_env=extra)
+    reports = run_ranks(
+        "hf_rtp.tools.bench.load_memory", ["--child", strategy, "--checkpoint", checkpoint], world, extra_env=extra
+    )
     for rank, report in enumerate(reports):
         report.update(rank=rank, peak_rss=max(rss for _, rss in report.pop("rss_samples")))
     return reports
@@ -139,7 +141,9 @@ def main(argv=None) -> None:
         "process's VmRSS just before from_pretrained (torch, transformers, hf_rtp imported); 'process' is the\n"
         "whole peak, import baseline included. Both as fractions of the checkpoint's bytes."
     )
-    print(f"{'strategy':<8} {'ranks':>5} {'load':>6} {'process':>8} {'peak GB':>8} {'before GB':>9} {'params GB':>9} {'load s':>7}")
+    print(
+        f"{'strategy':<8} {'ranks':>5} {'load':>6} {'process':>8} {'peak GB':>8} {'before GB':>9} {'params GB':>9} {'load s':>7}"
+    )
     for strategy, results in rows.items():
         worst = max(results, key=lambda r: r["peak_rss"] - r["baseline_rss"])
         print(

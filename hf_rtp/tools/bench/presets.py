@@ -6,18 +6,43 @@ import os
 
 PRESETS = {
     # The issue-5 setup: ~87M parameters, where the targets in the README are measured.
-    "llama-90m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-                      num_attention_heads=12, num_key_value_heads=4),
+    "llama-90m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
     # ~13M parameters: big enough that model states dominate, small enough for a notebook on a CPU.
-    "llama-small": dict(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=4),
+    "llama-small": dict(
+        vocab_size=8000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
     # Real fine-tuning's vocabulary (Llama 3's 128256) on a small body, untied, ~144M parameters: at
     # 1024+ tokens per sequence the LM head and its loss dominate the memory, as in practice.
-    "llama-128k": dict(vocab_size=128256, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False),
+    "llama-128k": dict(
+        vocab_size=128256,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
     # Small enough for a test to run every strategy in seconds.
-    "llama-tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4),
+    "llama-tiny": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    ),
 }
 
 

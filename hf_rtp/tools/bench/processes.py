@@ -51,14 +51,26 @@ def rank_env(rank: int, world_size: int, port: int, threads: int = 1, extra: dic
     )
 
 
-def run_ranks(module: str, args: list[str], world_size: int, threads: int = 1, interval: float = 0.002,
-              extra_env: dict | None = None, timeout: float | None = None) -> list[dict]:
+def run_ranks(
+    module: str,
+    args: list[str],
+    world_size: int,
+    threads: int = 1,
+    interval: float = 0.002,
+    extra_env: dict | None = None,
+    timeout: float | None = None,
+) -> list[dict]:
     """Run `python -m module *args` as ranks 0..world_size-1; return each rank's last JSON line,
     with "rss_samples": [(time, bytes), ...] added. Raises with the failing rank's stderr."""
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world_size, port, threads, extra_env),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=rank_env(rank, world_size, port, threads, extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(world_size)
     ]
     samples: list[list[tuple[float, int]]] = [[] for _ in procs]

@@ -25,15 +25,33 @@ from .worker import STRATEGIES, VARIANTS
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     """Run one strategy on `world_size` ranks; summarise it as its worst rank."""
-    worker_args = [strategy, checkpoint, "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]
+    worker_args = [
+        strategy,
+        checkpoint,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+    ]
     if args.gradient_checkpointing:
         worker_args.append("--gradient-checkpointing")
     if args.autocast:
         worker_args.append("--autocast")
     if strategy == "rtp-2d":
         worker_args += ["--rtp-size", str(args.rtp_size)]
-    reports = run_ranks("hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout)
+    reports = run_ranks(
+        "hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout
+    )
     for r in reports:
         samples = r.pop("rss_samples")
         if args.device == "cuda":
@@ -93,20 +111,28 @@ def ratios(rows: list[dict]) -> list[str]:
         for other in ("ddp", "fsdp2", "tp"):
             if (other, n) in by:
                 o = by[(other, n)]
-                out.append(f"N={n}: rtp/{other}: memory {rtp['peak_gb'] / o['peak_gb']:.2f}x, step time "
-                           f"{rtp['step_s'] / o['step_s']:.2f}x, tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x")
+                out.append(
+                    f"N={n}: rtp/{other}: memory {rtp['peak_gb'] / o['peak_gb']:.2f}x, step time "
+                    f"{rtp['step_s'] / o['step_s']:.2f}x, tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x"
+                )
         grid = by.get(("rtp-2d", n))
         if grid:
-            out.append(f"N={n}: rings of {grid.get('rtp_size')} ({n // grid.get('rtp_size', n)} replicas) / one flat ring: "
-                       f"memory {grid['peak_gb'] / rtp['peak_gb']:.2f}x, step time {grid['step_s'] / rtp['step_s']:.2f}x")
+            out.append(
+                f"N={n}: rings of {grid.get('rtp_size')} ({n // grid.get('rtp_size', n)} replicas) / one flat ring: "
+                f"memory {grid['peak_gb'] / rtp['peak_gb']:.2f}x, step time {grid['step_s'] / rtp['step_s']:.2f}x"
+            )
         zero, unfused = by.get(("rtp-zero-loss", n)), by.get(("rtp-unfused", n))
         if unfused:
-            out.append(f"N={n}: fused/unfused RTP: memory {rtp['peak_gb'] / unfused['peak_gb']:.2f}x, "
-                       f"step time {rtp['step_s'] / unfused['step_s']:.2f}x")
+            out.append(
+                f"N={n}: fused/unfused RTP: memory {rtp['peak_gb'] / unfused['peak_gb']:.2f}x, "
+                f"step time {rtp['step_s'] / unfused['step_s']:.2f}x"
+            )
         if zero and unfused:
             fused_loss, plain_loss = rtp["peak_gb"] - zero["peak_gb"], unfused["peak_gb"] - zero["peak_gb"]
-            out.append(f"N={n}: loss memory (peak minus the zero-loss run): fused {fused_loss:.3f} GB, unfused "
-                       f"{plain_loss:.3f} GB ({fused_loss / plain_loss:.1%})")
+            out.append(
+                f"N={n}: loss memory (peak minus the zero-loss run): fused {fused_loss:.3f} GB, unfused "
+                f"{plain_loss:.3f} GB ({fused_loss / plain_loss:.1%})"
+            )
     return out
 
 
@@ -161,10 +187,14 @@ def _within_budget(args, checkpoint, config, runs) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="hf-rtp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hf-rtp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="a local checkpoint folder")
-    src.add_argument("--preset", choices=sorted(PRESETS), default="llama-90m", help="a config made locally (default llama-90m)")
+    src.add_argument(
+        "--preset", choices=sorted(PRESETS), default="llama-90m", help="a config made locally (default llama-90m)"
+    )
     p.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
     p.add_argument("--strategies", help=f"comma-separated (default {','.join(STRATEGIES)}; with --generate ddp,tp,rtp)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
@@ -177,15 +207,32 @@ def parse_args(argv=None):
     p.add_argument("--output", default="bench-out", help="folder for results.json and bench.png")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one strategy may take")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each decoder layer in backward")
-    p.add_argument("--rtp-size", type=int, help="also run RTP as rings of this many ranks (data parallel across "
-                   "them, the 2-D layout) at every world size it divides, beside the flat ring")
-    p.add_argument("--autocast", action="store_true", help="train (or decode) under bf16 autocast over --dtype "
-                   "weights, as Trainer(bf16=True) does; FSDP2 then uses its MixedPrecisionPolicy (bf16 gathers)")
-    p.add_argument("--generate", nargs="?", const="1,8,32", help="instead: tokens/s and peak memory of greedy "
-                   "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp and rtp-whole (hf_rtp.tools.bench.decode)")
+    p.add_argument(
+        "--rtp-size",
+        type=int,
+        help="also run RTP as rings of this many ranks (data parallel across "
+        "them, the 2-D layout) at every world size it divides, beside the flat ring",
+    )
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="train (or decode) under bf16 autocast over --dtype "
+        "weights, as Trainer(bf16=True) does; FSDP2 then uses its MixedPrecisionPolicy (bf16 gathers)",
+    )
+    p.add_argument(
+        "--generate",
+        nargs="?",
+        const="1,8,32",
+        help="instead: tokens/s and peak memory of greedy "
+        "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp and rtp-whole (hf_rtp.tools.bench.decode)",
+    )
     p.add_argument("--new-tokens", type=int, default=128, help="with --generate: tokens each sequence decodes")
-    p.add_argument("--budget-gb", type=float, help="instead: each strategy's largest batch per rank within this "
-                   "many GB per rank (estimated, then measured down until it fits), and its tokens/s")
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        help="instead: each strategy's largest batch per rank within this "
+        "many GB per rank (estimated, then measured down until it fits), and its tokens/s",
+    )
     return p.parse_args(argv)
 
 
@@ -204,7 +251,9 @@ def main(argv=None) -> dict:
         raise SystemExit("--strategies rtp-2d needs --rtp-size K: the ranks per ring")
     if args.rtp_size is not None:
         if args.rtp_size < 1 or not any(n % args.rtp_size == 0 and n > args.rtp_size for n in sizes):
-            raise SystemExit(f"--rtp-size must be a proper divisor of a world size in --world-sizes, got {args.rtp_size}")
+            raise SystemExit(
+                f"--rtp-size must be a proper divisor of a world size in --world-sizes, got {args.rtp_size}"
+            )
         if "rtp-2d" not in strategies:
             strategies.append("rtp-2d")
     if args.warmup < 1 or args.steps < 1:
@@ -214,10 +263,14 @@ def main(argv=None) -> dict:
         import torch
 
         if max(sizes) > torch.cuda.device_count() and any(s != "single" for s in strategies):
-            raise SystemExit(f"--device cuda needs one GPU per rank (NCCL); {torch.cuda.device_count()} visible. "
-                             "Use --strategies single, or smaller --world-sizes.")
+            raise SystemExit(
+                f"--device cuda needs one GPU per rank (NCCL); {torch.cuda.device_count()} visible. "
+                "Use --strategies single, or smaller --world-sizes."
+            )
     os.makedirs(args.output, exist_ok=True)
-    checkpoint = args.checkpoint or make_preset(args.preset, os.path.join(tempfile.gettempdir(), f"hf-rtp-bench-{args.preset}"))
+    checkpoint = args.checkpoint or make_preset(
+        args.preset, os.path.join(tempfile.gettempdir(), f"hf-rtp-bench-{args.preset}")
+    )
     name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset
     if args.generate:
         from . import decode
@@ -228,8 +281,12 @@ def main(argv=None) -> dict:
     states_gb = memory.model_states_bytes(config, args.dtype) / 1e9
 
     runs = [("single", 1)] if "single" in strategies else []
-    runs += [(s, n) for n in sizes for s in strategies
-             if s != "single" and (s != "rtp-2d" or (n % args.rtp_size == 0 and n > args.rtp_size))]
+    runs += [
+        (s, n)
+        for n in sizes
+        for s in strategies
+        if s != "single" and (s != "rtp-2d" or (n % args.rtp_size == 0 and n > args.rtp_size))
+    ]
     if args.budget_gb is not None:
         return _within_budget(args, checkpoint, config, [(s, n) for s, n in runs if s != "rtp-zero-loss"])
     rows = []
@@ -244,9 +301,16 @@ def main(argv=None) -> dict:
             failed.append({"strategy": strategy, "world_size": n, "error": str(err)[-4000:]})
             continue
         grid = strategy == "rtp-2d"
-        estimates = memory.estimate(config, n, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                                    gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
-                                    rtp_size=args.rtp_size if grid else None)
+        estimates = memory.estimate(
+            config,
+            n,
+            batch=args.batch,
+            seq=args.seq,
+            dtype=args.dtype,
+            gradient_checkpointing=args.gradient_checkpointing,
+            autocast=args.autocast,
+            rtp_size=args.rtp_size if grid else None,
+        )
         row["estimate_gb"] = estimates.get("rtp" if grid else strategy, float("nan")) / 1e9
         if grid:
             row["rtp_size"] = args.rtp_size
@@ -261,8 +325,13 @@ def main(argv=None) -> dict:
     print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))
     for f in failed:
         print(f"{f['strategy']} on {f['world_size']} rank(s) failed (see results.json)")
-    result = {"settings": vars(args), "checkpoint": checkpoint, "model_states_gb": states_gb, "results": rows,
-              "failed": failed}
+    result = {
+        "settings": vars(args),
+        "checkpoint": checkpoint,
+        "model_states_gb": states_gb,
+        "results": rows,
+        "failed": failed,
+    }
     with open(os.path.join(args.output, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     chart(rows, os.path.join(args.output, "bench.png"), title)

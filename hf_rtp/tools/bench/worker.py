@@ -21,15 +21,21 @@ from torch import nn
 from ..memory import STRATEGIES, decoder_layers
 from .processes import vm_rss
 
-
 # RTP variants the bench runs beside the strategies: the plain loss from full logits, a zero loss
 # that skips the head and its loss altogether (what the loss costs is the difference), and rings of
 # --rtp-size ranks as data-parallel replicas (the 2-D layout) instead of one flat ring.
 VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d")
 
 
-def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device,
-         gradient_checkpointing: bool = False, rtp_size: int | None = None, autocast: bool = False) -> nn.Module:
+def load(
+    strategy: str,
+    checkpoint: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    rtp_size: int | None = None,
+    autocast: bool = False,
+) -> nn.Module:
     model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
@@ -38,15 +44,21 @@ def load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devic
     return model
 
 
-def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None,
-          autocast: bool) -> nn.Module:
+def _load(
+    strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None, autocast: bool
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if strategy.startswith("rtp"):
         import hf_rtp
 
-        return hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device, fused_loss=strategy in ("rtp", "rtp-2d"),
-                                      rtp_size=rtp_size if strategy == "rtp-2d" else None)
+        return hf_rtp.from_pretrained(
+            checkpoint,
+            dtype=dtype,
+            device=device,
+            fused_loss=strategy in ("rtp", "rtp-2d"),
+            rtp_size=rtp_size if strategy == "rtp-2d" else None,
+        )
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
@@ -64,8 +76,9 @@ def _load(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.devi
     return model
 
 
-def train_step(model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
-               autocast: bool = False) -> float:
+def train_step(
+    model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer, autocast: bool = False
+) -> float:
     with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
         return _train_step(model, strategy, batch, optimizer)
 
@@ -122,18 +135,25 @@ def main(argv=None) -> None:
     vocab = AutoConfig.from_pretrained(args.checkpoint).vocab_size
     # Tensor parallelism needs the same batch on every rank; the data-parallel strategies each take their own.
     seed = 0 if args.strategy == "tp" else rank
-    batches = torch.randint(0, vocab, (args.warmup + args.steps, args.batch, args.seq),
-                            generator=torch.Generator().manual_seed(seed)).to(device)
+    batches = torch.randint(
+        0, vocab, (args.warmup + args.steps, args.batch, args.seq), generator=torch.Generator().manual_seed(seed)
+    ).to(device)
 
     marks = {"baseline_rss": vm_rss(os.getpid()), "load_start": time.time()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = load(args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size,
-                 args.autocast).train()
+    model = load(
+        args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size, args.autocast
+    ).train()
     marks["load_end"] = time.time()
     if args.generate:
-        report = dict(marks, rank=rank, world_size=world_size, load_s=marks["load_end"] - marks["load_start"],
-                      decode=decode(model, args, vocab, seed, device))
+        report = dict(
+            marks,
+            rank=rank,
+            world_size=world_size,
+            load_s=marks["load_end"] - marks["load_start"],
+            decode=decode(model, args, vocab, seed, device),
+        )
         print(json.dumps(report), flush=True)
         return _finish()
     if device.type == "cuda":
@@ -158,9 +178,16 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
     local_bytes = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in model.parameters())
-    report = dict(marks, rank=rank, world_size=world_size, step_times=times[args.warmup:],
-                  step_s=statistics.median(times[args.warmup:]), losses=losses, local_param_bytes=local_bytes,
-                  load_s=marks["load_end"] - marks["load_start"])
+    report = dict(
+        marks,
+        rank=rank,
+        world_size=world_size,
+        step_times=times[args.warmup :],
+        step_s=statistics.median(times[args.warmup :]),
+        losses=losses,
+        local_param_bytes=local_bytes,
+        load_s=marks["load_end"] - marks["load_start"],
+    )
     print(json.dumps(report), flush=True)
     del model, optimizer
     _finish()
@@ -202,8 +229,15 @@ def decode(model: nn.Module, args, vocab: int, seed: int, device: torch.device) 
             if dist.is_initialized():
                 dist.barrier()
         assert out.shape[1] == args.seq + args.new_tokens
-        runs.append({"batch": batch, "seconds": time.perf_counter() - start, "start": start_mark, "end": time.time(),
-                     "gather_s": gather_s})
+        runs.append(
+            {
+                "batch": batch,
+                "seconds": time.perf_counter() - start,
+                "start": start_mark,
+                "end": time.time(),
+                "gather_s": gather_s,
+            }
+        )
         if device.type == "cuda":
             runs[-1]["cuda_peak"] = torch.cuda.max_memory_allocated(device)
     return runs
