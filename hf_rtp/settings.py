@@ -112,7 +112,8 @@ def as_timedelta(value: float | timedelta | None, variable: str, default: timede
         )
     if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
         raise TopologyError(
-            f"{variable}{' (or timeout=)' if variable == 'HF_RTP_TIMEOUT' else ''} must be a duration from 1 second to 7 days: seconds like 600, or 90s, 10m, 1h, "
+            f"{variable}{' (or timeout=)' if variable == 'HF_RTP_TIMEOUT' else ''} must be a duration from 1 second "
+            "to 7 days: seconds like 600, or 90s, 10m, 1h, "
             f"2d; got {value!r}"
         )
     return timedelta(seconds=seconds)

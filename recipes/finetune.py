@@ -121,7 +121,7 @@ def main(argv=None):
 
     order = GlobalOrder(len(blocks), args.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available() and not args.no_bf16)
-    metrics = open(os.path.join(args.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    metrics = os.path.join(args.output_dir, "metrics.jsonl") if rank == 0 else None
     bar = tqdm(total=args.max_steps, initial=step, desc="training", disable=rank != 0)
     while step < args.max_steps:
         started, loss_sum = time.perf_counter(), torch.zeros((), device=accelerator.device)
@@ -154,8 +154,8 @@ def main(argv=None):
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
             record["eval_loss"] = evaluate(ddp, eval_blocks, rank, world, args, accelerator.device, autocast)
         if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            with open(metrics, "a") as f:  # a line per step, whole on disk if the run stops after it
+                f.write(json.dumps(record) + "\n")
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}")
         if args.save_every and step % args.save_every == 0:

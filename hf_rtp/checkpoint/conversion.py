@@ -64,7 +64,7 @@ class Source:
         if not self.per_row:
             yield names[0], shape, (0, shape[0]), None
             return
-        for index, (name, (_, piece)) in enumerate(zip(names, self.pieces)):
+        for index, (name, (_, piece)) in enumerate(zip(names, self.pieces, strict=True)):
             row, part = divmod(index, self.per_row)
             offset = sum(s[0] for _, s in self.pieces[row * self.per_row : row * self.per_row + part])
             yield name, piece, (row, row + 1), slice(offset, offset + piece[0])
@@ -132,7 +132,7 @@ def _merged(target: str, shape: torch.Size, converter: WeightConverter, groups) 
     per_pattern = [groups.get(p, []) for p in patterns]
     experts = shape[0]
     if any(len(keys) != experts for keys in per_pattern):
-        counts = ", ".join(f"{p}: {len(keys)}" for p, keys in zip(patterns, per_pattern))
+        counts = ", ".join(f"{p}: {len(keys)}" for p, keys in zip(patterns, per_pattern, strict=True))
         raise CheckpointError(
             f"{target} has {experts} experts, but the checkpoint stores a different number of per-expert "
             f"tensors ({counts}): the weights and the config belong to different models"

@@ -122,7 +122,8 @@ class BlockDigests:
                         got = _digest(whole)
                 if got != self.digests[k * _HEX : (k + 1) * _HEX]:
                     raise CheckpointError(
-                        f"{self.path}: bytes {self.data_start + lo}-{self.data_start + hi} do not match the digest hf_rtp "
+                        f"{self.path}: bytes {self.data_start + lo}-{self.data_start + hi} do not match the digest "
+                        "hf_rtp "
                         "recorded when it saved the file: the file is damaged, or was changed after it was saved. "
                         "Copy or save the checkpoint again"
                     )

@@ -69,7 +69,9 @@ def fingerprint(
     settings = json.loads(config.to_json_string(use_diff=False))
     settings.pop("_name_or_path", None)  # a byte-identical copy in another folder is the same checkpoint
     return {
-        "library versions (hf_rtp, transformers, torch)": f"{__version__}, {transformers.__version__}, {torch.__version__}",
+        "library versions (hf_rtp, transformers, torch)": (
+            f"{__version__}, {transformers.__version__}, {torch.__version__}"
+        ),
         "revision": commit or "a local folder",
         "config": _digest(json.dumps(settings, sort_keys=True).encode()),
         "tensor names, shapes and dtypes": _digest(
@@ -140,7 +142,7 @@ def prove_files(entries: dict[str, TensorEntry], group, verify: str = "auto") ->
     identities = {name: file_identity(e.path) for name, e in files.items()}
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if verify == "full":
-            for name, e in files.items():
+            for e in files.values():
                 _check_recorded(e, hash_file(e))
         return identities
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -216,7 +218,8 @@ def _check_recorded(entry: TensorEntry, sha256: str) -> None:
     recorded = _hub_sha256(entry.path)
     if recorded is not None and recorded != sha256:
         raise CheckpointError(
-            f"{entry.path} does not match the SHA-256 the Hub recorded for it ({recorded}): the cached file is damaged. "
+            f"{entry.path} does not match the SHA-256 the Hub recorded for it ({recorded}): the cached file is "
+            "damaged. "
             "Delete it from the cache and download it again"
         )
 
@@ -236,7 +239,8 @@ def agree_on_read(read: dict[str, str], identities: dict[str, tuple], entries: d
     for rank, (_, theirs) in enumerate(everyone):
         if theirs:
             raise CheckpointError(
-                f"{', '.join(theirs)} changed while rank {rank} was reading it: load again once the checkpoint is complete"
+                f"{', '.join(theirs)} changed while rank {rank} was reading it: load again once the checkpoint is "
+                "complete"
             )
     reference = everyone[0][0]
     for rank, (theirs, _) in enumerate(everyone):

@@ -33,7 +33,7 @@ def untie_stored_apart(model: nn.Module, entries: dict[str, TensorEntry], topolo
     if topology.world_size > 1:
         dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=topology.control)
     untied = []
-    for (target, source), different in zip(pairs, differ.tolist()):
+    for (target, source), different in zip(pairs, differ.tolist(), strict=True):
         if not different:
             continue
         warning(

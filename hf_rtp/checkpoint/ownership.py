@@ -163,7 +163,8 @@ class FolderLock:
             fd = os.open(self.path, flags)
         except OSError as err:
             raise CheckpointError(
-                f"{self.path} exists and is not hf_rtp's lock file ({err.strerror}); move it away to save into {self.what}"
+                f"{self.path} exists and is not hf_rtp's lock file ({err.strerror}); move it away to save into "
+                f"{self.what}"
             ) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode) or _lock_record(fd) == "unknown":
             os.close(fd)

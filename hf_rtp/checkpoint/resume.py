@@ -293,7 +293,8 @@ def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd:
     if saved_as is not None and saved_as != _identity(model):
         raise CheckpointError(
             f"{directory} was saved from a {saved_as['class']} with plan '{saved_as['plan']}', but this model is a "
-            f"{_identity(model)['class']} with plan '{_identity(model)['plan']}': load the model (and plan) it was saved from"
+            f"{_identity(model)['class']} with plan '{_identity(model)['plan']}': load the model (and plan) it was "
+            "saved from"
         )
     try:
         stored = dcp.HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata

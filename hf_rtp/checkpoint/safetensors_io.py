@@ -210,7 +210,7 @@ class StreamingWriter:
         self._metadata, self._total = dict(metadata), offset
         self._hasher = BlockHasher(offset, block_bytes)
         encoded = self._header(None)
-        self._file = open(path, "wb")
+        self._file = open(path, "wb")  # noqa: SIM115 (the writer owns it across write() calls; close() closes it)
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
         self._header_bytes = len(encoded)
         self._next = 0

@@ -164,27 +164,28 @@ def save_pretrained(
     attempt = attempts.attempt
 
     if writer_rank:
-        lock = attempt(lambda: _lock(save_directory))
-        staging = attempt(lambda: _prepare_staging(save_directory))
+        lock = attempt(_lock, save_directory)
+        staging = attempt(_prepare_staging, save_directory)
     bar = progress(None, desc="Saving model", total=len(names))
     try:
-        for shard, filename in zip(shards, filenames):
+        for shard, filename in zip(shards, filenames, strict=True):
             writer = None
             if writer_rank:
                 layout = [(n, tensors[n].tensor.dtype, tensors[n].shape) for n in shard]
-                writer = attempt(lambda: StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"}))
+                writer = attempt(StreamingWriter, os.path.join(staging, filename), layout, {"format": "pt"})
             for name in shard:
                 parts = _pieces_on_writer(tensors[name], topology)
                 if writer is not None:
-                    attempt(lambda: (faults.point("save.write"), writer.write(name, parts)))
+                    attempt(faults.point, "save.write")
+                    attempt(writer.write, name, parts)
                 for _ in parts:  # drain what a failed write left unread
                     pass
                 bar.update(1)
             if writer is not None:
                 attempt(writer.close)
         if writer_rank:
-            attempt(lambda: _write_metadata(model, staging, shards, filenames, sizes))
-            attempt(lambda: commit.commit(staging, save_directory, filenames))
+            attempt(_write_metadata, model, staging, shards, filenames, sizes)
+            attempt(commit.commit, staging, save_directory, filenames)
             if attempts.error is None:
                 info(f"Model weights saved in {save_directory}")
     finally:
@@ -223,7 +224,7 @@ def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(staging)
     if len(shards) > 1:
-        weight_map = {name: filename for shard, filename in zip(shards, filenames) for name in shard}
+        weight_map = {name: filename for shard, filename in zip(shards, filenames, strict=True) for name in shard}
         index = {
             "metadata": {"total_parameters": model.num_parameters(), "total_size": sum(n for _, n in sizes)},
             "weight_map": weight_map,

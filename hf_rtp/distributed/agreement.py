@@ -38,11 +38,12 @@ class Attempts:
     def __init__(self):
         self.error: Exception | None = None
 
-    def attempt(self, step):
-        """`step()`, unless an earlier step failed; its result, or None after a failure."""
+    def attempt(self, step, *args):
+        """`step(*args)`, unless an earlier step failed; its result, or None after a failure. Arguments
+        are bound now, so a step made in a loop cannot see a later iteration's values."""
         if self.error is None:
             try:
-                return step()
+                return step(*args)
             except Exception as err:
                 self.error = err
         return None

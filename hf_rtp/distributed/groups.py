@@ -7,6 +7,7 @@ hf_rtp never communicates on the world group: whoever made that (accelerate and 
 from __future__ import annotations
 
 import atexit
+import contextlib
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -30,8 +31,6 @@ def _destroy_groups() -> None:
     a gloo group can abort the process ("terminate called without an active exception")."""
     if dist.is_initialized():
         for made in _groups.values():
-            try:
+            with contextlib.suppress(RuntimeError, ValueError):  # the user destroyed everything already
                 dist.destroy_process_group(made)
-            except (RuntimeError, ValueError):  # the user destroyed everything already
-                pass
     _groups.clear()

@@ -225,7 +225,8 @@ class Ring:
         replicas follows: layers.common.finish_weight_grads, through ReplicaSum.)
 
         Weights rotate only when `input_grad` is given (an embedding needs none; `piece` is then
-        None); `input_grad(rows, piece)` runs while the accumulator is in flight. `accumulate` is None for frozen weights, which then send no
+        None); `input_grad(rows, piece)` runs while the accumulator is in flight. `accumulate` is None for frozen
+        weights, which then send no
         gradients at all. Weights travel in `dtype` (travel_dtype), accumulators in `reduce_dtype`.
         """
         like = own[0]
@@ -285,7 +286,7 @@ class Ring:
                     acc = landing
                     if last:  # the other ranks' shares of this rank's piece: add them to its own
                         mine = self._own_piece(home, layout, next_rows)
-                        for m, arrived in zip(mine, landing):
+                        for m, arrived in zip(mine, landing, strict=True):
                             m.add_(arrived)
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]

@@ -101,7 +101,7 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     # collective over the world): per ring its own group for the ring (invariant I5 in DESIGN.md) and one
     # for its mesh; per column of the grid one to average rotated gradients over replicas; over everyone
     # one for replicated gradients and two small gloo ones for agreement and for meeting at entry.
-    columns = [tuple(column) for column in zip(*rows)]
+    columns = [tuple(column) for column in zip(*rows, strict=True)]
     ring_groups = {row: group("ring", row, backend, timeout) for row in rows if len(row) > 1}
     mesh_groups = {row: group("mesh", row, backend, timeout) for row in rows if len(row) > 1}
     replica_groups = {c: group("replicas", c, backend, timeout) for c in columns if len(c) > 1}
@@ -168,7 +168,8 @@ def _agree_on_rings(rows: list[tuple[int, ...]], control: dist.ProcessGroup) -> 
         dist.all_gather_object(everyone, rows, group=control)
     except RuntimeError as err:
         raise TopologyError(
-            f"rank {dist.get_rank()} could not agree on the rings with the other ranks ({str(err).splitlines()[0][:200]}): "
+            f"rank {dist.get_rank()} could not agree on the rings with the other ranks "
+            f"({str(err).splitlines()[0][:200]}): "
             "every rank must call from_pretrained"
         ) from err
     if any(theirs != rows for theirs in everyone):

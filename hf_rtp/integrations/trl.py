@@ -69,7 +69,7 @@ def adopt(trainer) -> None:
                 )
             )
             continue
-        for module, original in zip(modules, originals):
+        for module, original in zip(modules, originals, strict=True):
             if original is not None and not hasattr(original, _ORIGINAL):
                 routed = functools.wraps(original)(functools.partial(replacement, original=original))
                 setattr(routed, _ORIGINAL, original)
@@ -129,7 +129,7 @@ def replace_installed_head(model) -> None:
         or not forward.__globals__.get("__name__", "").startswith("trl.")
     ):
         return
-    given = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__ or ())))
+    given = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__ or ()), strict=True))
     wanted = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs")
     reason = _unsupported() or (None if all(k in given for k in wanted) else f"its fused forward keeps {sorted(given)}")
     if reason is not None:

@@ -38,7 +38,8 @@ def ignore_rotated_in_ddp(module: nn.Module) -> None:
 def sync_grads(model: nn.Module) -> None:
     """Average replicated parameters' gradients over all ranks, as DDP would, in one all-reduce per dtype.
 
-    Rotated parameters already hold the mean (the ring, and on a 2-D grid the replicas, reduced them). Call it after backward in a
+    Rotated parameters already hold the mean (the ring, and on a 2-D grid the replicas, reduced them). Call it after
+    backward in a
     plain loop; under DDP or `accelerator.prepare` the wrapper does this instead, so do not call both.
     """
     state = state_of(model, required=False)
@@ -53,5 +54,5 @@ def sync_grads(model: nn.Module) -> None:
         flat = _flatten_dense_tensors(group)
         dist.all_reduce(flat, group=topology.group)
         flat.div_(topology.world_size)
-        for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+        for g, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
             g.copy_(synced)

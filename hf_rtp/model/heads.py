@@ -54,7 +54,8 @@ def model_class(auto_class, config):
         return AutoModelForCausalLM
     if auto_class not in SUPPORTED:
         raise UnsupportedModelError(
-            f"hf_rtp does not load {getattr(auto_class, '__name__', auto_class)}; supported classes: {supported_names()}"
+            f"hf_rtp does not load {getattr(auto_class, '__name__', auto_class)}; supported classes: "
+            f"{supported_names()}"
         )
     return auto_class
 

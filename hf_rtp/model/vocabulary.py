@@ -91,7 +91,8 @@ def _new_size(old: int, new_num_tokens, pad_to_multiple_of) -> int | None:
     if pad_to_multiple_of is not None:
         if not isinstance(pad_to_multiple_of, int):
             raise ValueError(
-                f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not and integer. "
+                f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not and "
+                "integer. "
                 "Please make sure to pass an integer"
             )
         base = old if new_num_tokens is None else new_num_tokens

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,9 +85,9 @@ def test_shard_named_in_index_is_missing(tmp_path):
 def test_tensor_shape_disagrees_with_config(tmp_path):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     config_path = os.path.join(ckpt, "config.json")
-    config = json.load(open(config_path))
+    config = json.loads(Path(config_path).read_text())
     config["intermediate_size"] += 8
-    json.dump(config, open(config_path, "w"))
+    Path(config_path).write_text(json.dumps(config))
     with pytest.raises(
         hf_rtp.CheckpointError,
         match=r"mlp\.\w+_proj\.weight has shape \[(40, 32|32, 40)\].*config.json gives \[(48, 32|32, 48)\]",

@@ -39,15 +39,15 @@ def _full_tensor_is_data_parallel(ckpt):
     start, end = chunk_rows(head.shape[0], world, rank)
     torch.testing.assert_close(head.grad.to_local(), reference.grad[start:end], atol=1e-12, rtol=1e-12)
 
-    with pytest.raises(hf_rtp.RotatedStateError, match="redistribute.*full_tensor"):
+    with pytest.raises(hf_rtp.RotatedStateError, match=r"redistribute.*full_tensor"):
         head.redistribute(placements=[Replicate()])
     with torch.no_grad():
         assert torch.equal(head.redistribute(placements=[Replicate()]).to_local(), reference.detach())
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
-    for what, state in (("model", model.state_dict()), ("optimizer", optimizer.state_dict())):
-        with pytest.raises(hf_rtp.RotatedStateError, match="refusing to pickle a rotated tensor.*save_pretrained"):
+    for _what, state in (("model", model.state_dict()), ("optimizer", optimizer.state_dict())):
+        with pytest.raises(hf_rtp.RotatedStateError, match=r"refusing to pickle a rotated tensor.*save_pretrained"):
             torch.save(state, io.BytesIO())
     model.zero_grad(set_to_none=True)  # torch cannot deepcopy a DTensor gradient, hf_rtp or not
     copied = copy.deepcopy(model.model.norm)  # replicated modules copy as before; so do rotated tensors

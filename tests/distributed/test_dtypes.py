@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from support.models import global_batch, make_tiny_llama
@@ -31,7 +32,7 @@ def _bf16_round_trip(ckpt, out):
     model.save_pretrained(out)
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.state_dict().items()}
     if rank == 0:
-        assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+        assert json.loads(Path(os.path.join(out, "config.json")).read_text())["dtype"] == "bfloat16"
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
         assert all(torch.equal(t, full[n]) and t.dtype == torch.bfloat16 for n, t in reloaded.state_dict().items())
 

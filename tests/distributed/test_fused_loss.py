@@ -68,7 +68,10 @@ def _fused_against_vanilla(ckpt):
     out = model(input_ids=batches[rank], labels=prompts_only[rank], num_items_in_batch=count)
     out.loss.backward()
     hf_rtp.sync_grads(model)
-    ref_losses = [ref(input_ids=b, labels=l, num_items_in_batch=count).loss for b, l in zip(batches, prompts_only)]
+    ref_losses = [
+        ref(input_ids=b, labels=lab, num_items_in_batch=count).loss
+        for b, lab in zip(batches, prompts_only, strict=True)
+    ]
     torch.testing.assert_close(out.loss, ref_losses[rank], atol=1e-6, rtol=1e-6)
     torch.stack(ref_losses).mean().backward()
     assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL)

@@ -33,7 +33,9 @@ def _lora_step(ckpt, adapters, rtp_size):
     for name, p in rotated.named_parameters():
         if p.requires_grad:  # adapters: replicated, averaged by DDP
             assert "lora_" in name
-            torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
         else:  # the frozen rotated base sent no gradient accumulators around the ring
             assert p.grad is None, name
     torch.optim.AdamW([p for p in rotated.parameters() if p.requires_grad], lr=1e-2).step()
@@ -76,7 +78,7 @@ def _checkpointing(ckpt):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         total = [0]
 
-        def pack(t):
+        def pack(t, total=total):
             total[0] += t.numel() * t.element_size()
             return t
 
@@ -88,7 +90,7 @@ def _checkpointing(ckpt):
         grads.append({n: local(p.grad) for n, p in model.named_parameters()})
         saved_bytes.append(total[0])
     for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, atol=1e-12, rtol=1e-10, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[1][name], g, atol=1e-12, rtol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
     return saved_bytes
 
 

@@ -27,12 +27,12 @@ def _ddp_and_shares(ckpt):
     plain(input_ids=batch, labels=batch).loss.backward()
     hf_rtp.sync_grads(plain)
     wrapped(input_ids=batch, labels=batch).loss.backward()
-    for (name, p), (_, q) in zip(plain.named_parameters(), wrapped.module.named_parameters()):
+    for (name, p), (_, q) in zip(plain.named_parameters(), wrapped.module.named_parameters(), strict=True):
         assert type(p.grad) is type(q.grad), name
         if isinstance(p, DTensor):  # untouched by DDP: the ring's result, bit for bit
             assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
         else:  # DDP's bucketed mean against ours
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
     # What this rank holds: rotated parameters' own chunk only, replicated ones whole.
     params = list(plain.parameters())

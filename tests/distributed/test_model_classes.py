@@ -66,7 +66,11 @@ def test_reward_trainer_from_a_causal_checkpoint_matches_vanilla_ddp_and_saves_f
     assert grads.keys() == vanilla_grads.keys() and "score.weight" in grads and "lm_head.weight" not in grads
     for name, grad in vanilla_grads.items():
         torch.testing.assert_close(
-            torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}"
+            torch.from_numpy(grads[name]),
+            torch.from_numpy(grad),
+            rtol=1e-9,
+            atol=1e-12,
+            msg=lambda m, name=name: f"{name}: {m}",
         )
     torch.testing.assert_close(losses, vanilla_losses, rtol=1e-9, atol=0)
     from safetensors.torch import load_file
@@ -82,7 +86,9 @@ def test_reward_trainer_from_a_causal_checkpoint_matches_vanilla_ddp_and_saves_f
             written.update(load_file(saved / name))
     assert written.keys() == expected.keys()
     for name, tensor in expected.items():
-        torch.testing.assert_close(written[name], tensor, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            written[name], tensor, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _token_classes(ckpt, world):

@@ -63,7 +63,7 @@ def test_register_refuses_silent_replacement(registry):
     with pytest.raises(PlanError, match="registered already; pass overwrite=True"):
         plans.register("starcoder2", QWEN2)
     plans.register("starcoder2", QWEN2, overwrite=True)
-    with pytest.raises(TypeError, match="needs an hf_rtp.plans.Plan"):
+    with pytest.raises(TypeError, match=r"needs an hf_rtp.plans.Plan"):
         plans.register("starcoder2", {"rotate": {}})
 
 
@@ -114,5 +114,5 @@ def test_experts_kind_refuses_a_module_without_fused_experts():
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    with pytest.raises(PlanError, match="model.layers.0.mlp is a LlamaMLP, but kind 'experts' rotates fused experts"):
+    with pytest.raises(PlanError, match=r"model.layers.0.mlp is a LlamaMLP, but kind 'experts' rotates fused experts"):
         Plan(rotate={"model.layers.*.mlp": "experts"}).resolve(model)

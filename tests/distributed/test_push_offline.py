@@ -19,6 +19,8 @@ def test_push_saves_then_fails_clearly_offline(tmp_path):
         model.save_pretrained(folder, push_to_hub=True, repo_id="someone/tiny")
     assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors"]
     reloaded = AutoModelForCausalLM.from_pretrained(folder)
-    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values(), strict=True)
+    )
     with pytest.raises(hf_rtp.CheckpointError, match="someone/tiny"):
         model.push_to_hub("someone/tiny")

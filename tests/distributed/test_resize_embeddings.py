@@ -2,7 +2,8 @@
 
 Beside vanilla in the same processes, seeded alike: the resized embedding and head equal vanilla's
 (both `mean_resizing` modes, `pad_to_multiple_of`, tied and untied heads, sizes no ring size divides),
-re-cut over the ring, on one ring of 2 and on 2 replicas of 2-rank rings whose writer is not rank 0; then one SGD step on batches that use the new tokens gives vanilla's gradients
+re-cut over the ring, on one ring of 2 and on 2 replicas of 2-rank rings whose writer is not rank 0; then one SGD
+step on batches that use the new tokens gives vanilla's gradients
 under DDP, and the saved checkpoint loads in vanilla with vanilla's weights.
 """
 
@@ -76,7 +77,7 @@ def _resize_train_save(ckpts, layout, out):
 def test_resize_equals_vanilla_and_trains_saves_and_reloads(tmp_path, layout):
     ckpts = {tied: make_tiny("llama", tmp_path / f"ckpt-{tied}", tied=tied) for tied in (False, True)}
     per_rank = run_on_ranks(_resize_train_save, 4 if "x" in layout else 2, ckpts, layout, str(tmp_path / "out"))
-    for (tied, new, pad, _), results in zip(CASES, zip(*per_rank)):
+    for (_tied, new, pad, _), results in zip(CASES, zip(*per_rank, strict=True), strict=True):
         for size, same, grads, saved, reloaded_size in results:
             assert size == (new if pad is None else -(-new // pad) * pad) and reloaded_size == size
             assert same and all(same.values()), same  # rotated embedding and head: vanilla's values, bit for bit

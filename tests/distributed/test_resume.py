@@ -65,5 +65,5 @@ def test_interrupted_save_is_refused_with_a_clear_error(tmp_path):
     partial = tmp_path / "checkpoint-6.partial"
     partial.mkdir()
     model = hf_rtp.from_pretrained(make_tiny("llama", tmp_path / "ckpt"))
-    with pytest.raises(hf_rtp.CheckpointError, match="not a complete training checkpoint.*resume from an earlier"):
+    with pytest.raises(hf_rtp.CheckpointError, match=r"not a complete training checkpoint.*resume from an earlier"):
         load_training_state(str(partial), model, torch.optim.AdamW(model.parameters()))

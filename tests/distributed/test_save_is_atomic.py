@@ -1,6 +1,7 @@
 """A save that fails half-way leaves the previous checkpoint whole and every rank with an error."""
 
 import os
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -47,7 +48,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
         "generation_config.json",
         "model.safetensors",
     ]
-    assert open(os.path.join(out, ".hf_rtp-staging-killed", "notes.txt")).read() == "mine"
+    assert Path(os.path.join(out, ".hf_rtp-staging-killed", "notes.txt")).read_text() == "mine"
     saved, original = (
         load_file(os.path.join(out, "model.safetensors")),
         load_file(os.path.join(ckpt, "model.safetensors")),

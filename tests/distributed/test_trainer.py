@@ -93,7 +93,7 @@ def _train_save_resume(ckpt, out):
     rotated.train()
     full = _full(rotated.model)
     for name, p in vanilla.model.named_parameters():  # both loaded the same best checkpoint at the end
-        torch.testing.assert_close(full[name], p.detach(), **NOISE, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(full[name], p.detach(), **NOISE, msg=lambda m, name=name: f"{name}: {m}")
     best = os.path.basename(rotated.state.best_model_checkpoint)
     assert best == os.path.basename(vanilla.state.best_model_checkpoint)
     kept = sorted(f for f in os.listdir(os.path.join(out, "rotated")) if f.startswith("checkpoint-"))
@@ -147,7 +147,7 @@ def _train_as_two_rings_of_two(ckpt, out):
     rotated.train()  # checkpoints at steps 2 and 4 from the grid, then the best of them loaded back
     full = _full(rotated.model)
     for name, p in vanilla.model.named_parameters():
-        torch.testing.assert_close(full[name], p.detach(), **NOISE, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(full[name], p.detach(), **NOISE, msg=lambda m, name=name: f"{name}: {m}")
     return _losses(vanilla), _losses(rotated)
 
 

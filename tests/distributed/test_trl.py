@@ -103,7 +103,7 @@ def test_sft_trainer_matches_vanilla_ddp_in_losses_and_every_gradient(tmp_path, 
             torch.from_numpy(grad),
             rtol=1e-7,
             atol=2e-6 * abs(grad).max(),
-            msg=lambda m: f"{name}: {m}",
+            msg=lambda m, name=name: f"{name}: {m}",
         )
     torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)  # loss, entropy, top-1 accuracy
     saved = {}
@@ -113,4 +113,6 @@ def test_sft_trainer_matches_vanilla_ddp_in_losses_and_every_gradient(tmp_path, 
         saved[run] = (names, {k: v for n in names for k, v in load_file(folder / n).items()})
     assert saved["rotated"][0] == saved["vanilla"][0] and saved["rotated"][1].keys() == saved["vanilla"][1].keys()
     for name, tensor in saved["vanilla"][1].items():
-        torch.testing.assert_close(saved["rotated"][1][name], tensor, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            saved["rotated"][1][name], tensor, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )

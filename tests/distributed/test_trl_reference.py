@@ -83,7 +83,7 @@ def test_dpo_reference_built_by_trl_is_rotated_and_training_matches_vanilla_ddp(
                 torch.from_numpy(grad),
                 rtol=1e-6,
                 atol=2e-6 * abs(grad).max(),
-                msg=lambda m: f"{name}: {m}",
+                msg=lambda m, name=name: f"{name}: {m}",
             )
         torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)
 

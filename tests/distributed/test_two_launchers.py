@@ -47,7 +47,7 @@ def test_two_nodes_of_two_ranks_train_save_like_vanilla_ddp_reading_one_revision
     os.makedirs(out)
     procs = [_launch(node, port, caches[node], out) for node in (0, 1)]
     outputs = finish_launchers(procs, timeout=240)
-    for proc, output in zip(procs, outputs):
+    for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-6000:]
     seen = []
     for rank in range(4):

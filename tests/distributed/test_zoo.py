@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def _load_pair(ckpt, dtype, name):
 
     # eager attention and experts: float64 everywhere (grouped_mm has no float64 kernel), same math
     extra = dict(attn_implementation="eager")
-    if "expert" in open(os.path.join(ckpt, "config.json")).read():
+    if "expert" in Path(os.path.join(ckpt, "config.json")).read_text():
         extra["experts_implementation"] = "eager"
     model = hf_rtp.from_pretrained(ckpt, dtype=dtype, plan="auto" if name in AUTO else None, **extra)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **extra)
@@ -86,7 +87,9 @@ def _check_family(name, ckpt, bf16_ckpt, out_dir, rank, world):
         ours, theirs = load_file(f"{out_dir}/model.safetensors"), load_file(f"{out_dir}-vanilla/model.safetensors")
         assert sorted(ours) == sorted(theirs), sorted(set(ours) ^ set(theirs))
         for key, tensor in theirs.items():
-            torch.testing.assert_close(ours[key], tensor, atol=STEP_ATOL, rtol=0, msg=lambda m: f"saved {key}: {m}")
+            torch.testing.assert_close(
+                ours[key], tensor, atol=STEP_ATOL, rtol=0, msg=lambda m, key=key: f"saved {key}: {m}"
+            )
 
     model.eval(), ref.eval()
     prompts = global_batch(world, batch=2, seq=4 + rank, seed=7)[rank]

@@ -1,5 +1,6 @@
 """The recipes, launched for real: accelerate launch and torchrun on 2 and 3 CPU processes, and one process."""
 
+import itertools
 import json
 import os
 import signal
@@ -68,7 +69,7 @@ def test_default_run_learns_logs_and_saves_a_vanilla_checkpoint(default_run):
     assert "eval_loss" in rows[3] and "eval_loss" in rows[7]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5 and rows[-1]["eval_loss"] < rows[3]["eval_loss"]
     lrs = [r["lr"] for r in rows]
-    assert lrs[4] == max(lrs) and all(a > b for a, b in zip(lrs[4:], lrs[5:]))  # warmup, then cosine decay
+    assert lrs[4] == max(lrs) and all(a > b for a, b in itertools.pairwise(lrs[4:]))  # warmup, then cosine decay
     assert sorted(d for d in os.listdir(default_run) if d.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-8"]
     model = AutoModelForCausalLM.from_pretrained(os.path.join(default_run, "final"))
     assert model.config.vocab_size > 256 and os.path.exists(os.path.join(default_run, "final", "tokenizer.json"))
@@ -163,7 +164,7 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
         for node in (0, 1)
     ]
     outputs = finish_launchers(procs, timeout=300)
-    for proc, output in zip(procs, outputs):
+    for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-5000:]
     assert "4 rank(s): 2 replica(s) of a 2-rank ring" in outputs[0]
     expected = metrics(flat)

@@ -4,6 +4,7 @@ or, where vanilla transformers accepts it, loaded exactly as vanilla loads it (w
 import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +22,10 @@ def _sharded(tmp_path):
 
 def _edit_index(ckpt, name_of):
     path = os.path.join(ckpt, "model.safetensors.index.json")
-    index = json.load(open(path))
+    index = json.loads(Path(path).read_text())
     first = sorted(index["weight_map"])[0]
     index["weight_map"][first] = name_of(index["weight_map"][first])
-    json.dump(index, open(path, "w"))
+    Path(path).write_text(json.dumps(index))
 
 
 @pytest.mark.parametrize("trick", ["/dev/stdin", "../outside.safetensors", "/etc/hostname", "sub/../../x.safetensors"])
@@ -60,9 +61,9 @@ def test_bf16_checkpoint_without_config_dtype_loads_as_bf16_like_vanilla(tmp_pat
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     path = os.path.join(ckpt, "model.safetensors")
     save_file({k: v.bfloat16() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
-    config = json.load(open(os.path.join(ckpt, "config.json")))
+    config = json.loads(Path(os.path.join(ckpt, "config.json")).read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)
-    json.dump(config, open(os.path.join(ckpt, "config.json"), "w"))
+    Path(os.path.join(ckpt, "config.json")).write_text(json.dumps(config))
     vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype="auto")
     ours = hf_rtp.from_pretrained(ckpt, dtype="auto")
     assert vanilla.dtype == torch.bfloat16

@@ -29,7 +29,7 @@ def test_a_rank_stopped_before_the_replicas_all_reduce_is_an_error_on_every_othe
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     env = {"HF_RTP_TIMEOUT": str(TIMEOUT), "HF_RTP_FAULT": "stop@replicas.reduce#3"}
     outcomes = run_on_ranks(_train_two_steps, 4, ckpt, env=env, survivors=(0, 1, 2), timeout=120)
-    for rank, (seconds, message) in zip((0, 1, 2), outcomes):
+    for rank, (seconds, message) in zip((0, 1, 2), outcomes, strict=True):
         assert message is not None, f"rank {rank} finished although rank 3 never reduced"
         assert seconds < 3 * TIMEOUT, (rank, seconds)
         assert message.startswith("CollectiveMisuseError"), (rank, message)

@@ -5,6 +5,7 @@ before training; what each proof does not catch is shown too, as the README stat
 import hashlib
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def _hub_cache(root, checkpoint) -> str:
     os.makedirs(os.path.join(base, "snapshots", commit))
     os.makedirs(os.path.join(base, "refs"))
     for name in os.listdir(checkpoint):
-        data = open(os.path.join(checkpoint, name), "rb").read()
+        data = Path(os.path.join(checkpoint, name)).read_bytes()
         blob = hashlib.sha256(data).hexdigest()
         with open(os.path.join(base, "blobs", blob), "wb") as f:
             f.write(data)

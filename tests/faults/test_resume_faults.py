@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def _load(ckpt, state_dir, variant="plain"):
     try:
         extra = hf_rtp.load_training_state(state_dir, model, optimizer)
     except hf_rtp.CheckpointError as err:
-        untouched = all(torch.equal(a, b) for a, b in zip(before, _local_params(model)))
+        untouched = all(torch.equal(a, b) for a, b in zip(before, _local_params(model), strict=True))
         return str(err), untouched, None, None
     return None, None, extra["step"], [p.numpy() for p in _local_params(model)]
 
@@ -78,9 +79,9 @@ def _shards(folder):
 
 def _drop_files_record(folder):
     path = os.path.join(folder, "training_state.json")
-    state = json.load(open(path))
+    state = json.loads(Path(path).read_text())
     del state["files"]  # as a checkpoint without hf_rtp's file list would be: coverage must still catch it
-    json.dump(state, open(path, "w"))
+    Path(path).write_text(json.dumps(state))
 
 
 DAMAGE = {
@@ -90,7 +91,7 @@ DAMAGE = {
         r"has 1000 bytes but was saved with",
     ),
     "bad_json": (
-        lambda d: open(os.path.join(d, "training_state.json"), "w").write("{"),
+        lambda d: Path(os.path.join(d, "training_state.json")).write_text("{"),
         r"training_state.json is damaged",
     ),
     "stray_file": (
@@ -129,9 +130,9 @@ def test_killed_before_the_swap_keeps_the_previous_checkpoint(saved, tmp_path):
     assert seconds < 30, seconds
     assert "another rank died, was stopped, or did not reach the same call within HF_RTP_TIMEOUT" in message
     after = run_on_ranks(_load, 2, ckpt, target)
-    for (_, _, step, params), params_saved in zip(after, saved_params):
+    for (_, _, step, params), params_saved in zip(after, saved_params, strict=True):
         assert step == 1
-        assert all((a == b).all() for a, b in zip(params, params_saved))
+        assert all((a == b).all() for a, b in zip(params, params_saved, strict=True))
 
 
 def test_killed_between_the_renames_of_the_fallback_recovers_the_new_checkpoint(saved, tmp_path):
@@ -141,9 +142,9 @@ def test_killed_between_the_renames_of_the_fallback_recovers_the_new_checkpoint(
     run_on_ranks(_save_after, 2, ckpt, target, 2, env=env, survivors=(1,))
     assert not os.path.exists(target) and os.path.isdir(target + ".old") and os.path.isdir(target + ".partial")
     expected = run_on_ranks(_save_after, 2, ckpt, str(tmp_path / "reference"), 2)
-    for (error, _, step, params), reference in zip(run_on_ranks(_load, 2, ckpt, target), expected):
+    for (error, _, step, params), reference in zip(run_on_ranks(_load, 2, ckpt, target), expected, strict=True):
         assert error is None and step == 2
-        assert all((a == b).all() for a, b in zip(params, reference))
+        assert all((a == b).all() for a, b in zip(params, reference, strict=True))
     assert unplanted(os.listdir(tmp_path)) == ["reference", "state"]  # leftovers cleaned once recovered
 
 

@@ -50,7 +50,7 @@ def test_a_journal_from_an_archive_deletes_nothing_when_the_folder_is_loaded(ckp
     assert snapshot(tmp_path) == before
     assert _same(_weights(model), _weights(AutoModelForCausalLM.from_pretrained(ckpt)))
     assert "is not a journal this version of hf_rtp wrote" in hf_rtp_warnings.text
-    with pytest.raises(hf_rtp.CheckpointError, match="is not a journal this version of hf_rtp wrote.*delete"):
+    with pytest.raises(hf_rtp.CheckpointError, match=r"is not a journal this version of hf_rtp wrote.*delete"):
         model.save_pretrained(str(folder))  # a save would write over what the journal names: refused
     assert snapshot(tmp_path) == before
 
@@ -62,7 +62,7 @@ def test_a_journal_naming_a_linked_staging_folder_moves_nothing_in(ckpt, tmp_pat
     shutil.copy(os.path.join(ckpt, "config.json"), folder / "config.json")
     plant_hostile(folder, victim)  # journal in hf_rtp's format, staging a link to `victim` with a forged marker
     before = snapshot(tmp_path)
-    with pytest.raises(hf_rtp.CheckpointError, match="no model.safetensors"):
+    with pytest.raises(hf_rtp.CheckpointError, match=r"no model.safetensors"):
         hf_rtp.from_pretrained(str(folder))  # nothing to load, and nothing moved in from outside
     assert snapshot(tmp_path) == before
     assert "not a folder of its own (a link" in hf_rtp_warnings.text

@@ -41,7 +41,7 @@ def assert_matches(model, ref, world, rank, what, atol=ATOL, rtol=RTOL):
         if isinstance(p, DTensor):
             mine, theirs = mine.to_local(), theirs[rows(p, world, rank)]
         torch.testing.assert_close(
-            mine.detach(), theirs.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{what} of {name}: {m}"
+            mine.detach(), theirs.detach(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"{what} of {name}: {m}"
         )
 
 
@@ -90,7 +90,7 @@ def step_both(model, ref, optimizers, batches, rank):
     out, ref_outs = forward_both(model, ref, batches, rank)
     float64_loss(out, batches[rank], ref.config).backward()
     hf_rtp.sync_grads(model)
-    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()
+    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches, strict=True)]).mean().backward()
     assert_matches(model, ref, topology.rtp_size, topology.rtp_rank, "grad")
     for optimizer in optimizers:
         optimizer.step()
@@ -124,5 +124,5 @@ def backward_both(model, ref, batches, rank):
     out, ref_outs = forward_both(model, ref, batches, rank)
     float64_loss(out, batches[rank], ref.config).backward()
     hf_rtp.sync_grads(model)
-    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches)]).mean().backward()
+    torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches, strict=True)]).mean().backward()
     return out, ref_outs

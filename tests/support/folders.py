@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import stat
+from pathlib import Path
 
 
 def snapshot(root) -> dict[str, tuple]:
@@ -23,7 +24,7 @@ def snapshot(root) -> dict[str, tuple]:
             elif stat.S_ISDIR(mode):
                 out[rel] = ("dir",)
             elif stat.S_ISREG(mode):
-                out[rel] = ("file", hashlib.sha256(open(path, "rb").read()).hexdigest())
+                out[rel] = ("file", hashlib.sha256(Path(path).read_bytes()).hexdigest())
             else:
                 out[rel] = ("other", stat.S_IFMT(mode))
     return out

@@ -7,6 +7,7 @@ comes back per rank; an exception on any rank fails the test with that rank's tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -101,7 +102,7 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None):
             rank, ok, value = results.get(timeout=timeout)
             outcome[rank] = (ok, value)
     except Exception:
-        raise RuntimeError(f"ranks {sorted(set(wanted) - set(outcome))} gave no result within {timeout}s")
+        raise RuntimeError(f"ranks {sorted(set(wanted) - set(outcome))} gave no result within {timeout}s") from None
     finally:
         for rank, p in enumerate(procs):
             if rank not in wanted:
@@ -139,14 +140,10 @@ def kill_launcher(proc) -> None:
     import signal
 
     for pid in [*_descendants(proc.pid), proc.pid]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 

@@ -63,7 +63,11 @@ def _assert_same_grads(model, ref, noise=FLOAT32_NOISE):
         assert p.grad is not None, name
         expected = theirs[name].grad
         torch.testing.assert_close(
-            p.grad, expected, atol=noise * expected.abs().max().item(), rtol=GRAD_RTOL, msg=lambda m: f"{name}: {m}"
+            p.grad,
+            expected,
+            atol=noise * expected.abs().max().item(),
+            rtol=GRAD_RTOL,
+            msg=lambda m, name=name: f"{name}: {m}",
         )
 
 
@@ -215,7 +219,7 @@ def test_heads_it_cannot_reproduce_keep_the_plain_loss(caplog):
         assert not install_forward(model, fused=True)
     assert "fused LM-head loss is off" in caplog.text and "logits + 1.0" in caplog.text
     ids, labels = _batch()
-    loss, logits = model.train()(input_ids=ids, labels=labels)
+    _loss, logits = model.train()(input_ids=ids, labels=labels)
     assert logits.shape == (2, 9, VOCAB)  # the plain path, with its logits
 
     custom = AutoModelForCausalLM.from_config(config)

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
@@ -116,7 +117,9 @@ def test_architecture_without_a_plan_is_estimated_with_the_automatic_plan():
 
 STORED = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "results")
 RESULTS = [
-    path for path in sorted(glob.glob(os.path.join(STORED, "*.json"))) if "results" in json.load(open(path))
+    path
+    for path in sorted(glob.glob(os.path.join(STORED, "*.json")))
+    if "results" in json.loads(Path(path).read_text())
 ]  # not the --budget-gb runs
 
 
@@ -131,7 +134,7 @@ def test_estimate_is_within_15_percent_of_every_measured_strategy(path):
     1x2048 with 128k, with and without gradient checkpointing, RTP with and without the fused loss.
     The estimate's terms were set on the 2x128 and 1x1024 shapes; 1x2048 and gradient checkpointing
     were measured afterwards and not used to set them."""
-    result = json.load(open(path))
+    result = json.loads(Path(path).read_text())
     settings = result["settings"]
     config = memory.load_config(settings["preset"])
     checked = 0

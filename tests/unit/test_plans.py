@@ -47,13 +47,13 @@ def test_uncovered_parameter_is_named():
 
 def test_parameter_both_rotated_and_replicated_is_an_error():
     plan = Plan(rotate={"lm_head": "linear"}, replicate=("lm_head.weight",))
-    with pytest.raises(PlanError, match="both rotated and replicated: lm_head.weight"):
+    with pytest.raises(PlanError, match=r"both rotated and replicated: lm_head.weight"):
         plan.resolve(_empty_llama())
 
 
 def test_kind_must_fit_module_type():
     with pytest.raises(
-        PlanError, match="model.norm is a LlamaRMSNorm, but kind 'linear' rotates nn.Linear modules only when"
+        PlanError, match=r"model.norm is a LlamaRMSNorm, but kind 'linear' rotates nn.Linear modules only when"
     ):
         Plan(rotate={"model.norm": "linear"}).resolve(_empty_llama())
     with pytest.raises(PlanError, match="unknown layer kind 'conv'"):
@@ -63,7 +63,8 @@ def test_kind_must_fit_module_type():
 def test_unknown_model_type_lists_supported():
     with pytest.raises(
         plans.UnsupportedModelError,
-        match=r"no plan for model_type 'bert'. Supported: deepseek_v3, gemma, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe.*plan='auto'",
+        match=r"no plan for model_type 'bert'. Supported: deepseek_v3, gemma, gemma2, gemma3_text, gpt2, gpt_oss, "
+        r"llama, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe.*plan='auto'",
     ):
         plans.get("bert")
 
@@ -115,7 +116,7 @@ def test_gemmas_scaled_embedding_is_adapted_and_an_edited_copy_refused():
             return super(source, self).forward(input_ids) * self.embed_scale.to(self.weight.dtype) + 1
 
     model.model.embed_tokens.__class__ = Edited
-    with pytest.raises(PlanError, match="model.embed_tokens is a Edited, .*Edited overrides nn.Embedding.forward"):
+    with pytest.raises(PlanError, match=r"model.embed_tokens is a Edited, .*Edited overrides nn.Embedding.forward"):
         plans.get("gemma").resolve(model)
 
 
@@ -137,7 +138,7 @@ def test_auto_shards_every_experts_layout_and_keeps_routers_whole():
 def test_experts_declared_otherwise_are_refused():
     model = _empty(zoo_config("qwen2_moe"))
     model.model.layers[0].mlp.experts.has_post_expert_norm = True
-    with pytest.raises(PlanError, match="mlp.experts is a Qwen2MoeExperts, .*post-expert norm"):
+    with pytest.raises(PlanError, match=r"mlp.experts is a Qwen2MoeExperts, .*post-expert norm"):
         plans.get("qwen2_moe").resolve(model)
 
 

@@ -1,7 +1,9 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hf_rtp.checkpoint.safetensors_io import CheckpointError, StreamingWriter, read_header, read_rows
@@ -59,20 +61,20 @@ def test_writer_refuses_out_of_order_or_short_data(tmp_path):
 def test_damaged_files_are_named_errors(tmp_path, damage, message):
     path = str(tmp_path / "d.safetensors")
     save_file({"a": torch.randn(4, 4)}, path)
-    data = open(path, "rb").read()
-    open(path, "wb").write(damage(data))
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(damage(data))
     with pytest.raises(CheckpointError, match=message):
         read_header(path)
 
 
 def _rewrite_header(path, edit, extra=b""):
     """Replace a safetensors file's header by `edit(header)`, keeping the data (plus `extra` bytes)."""
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     n = int.from_bytes(data[:8], "little")
     header = edit(json.loads(data[8 : 8 + n]))
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
-    open(path, "wb").write(len(encoded).to_bytes(8, "little") + encoded + data[8 + n :] + extra)
+    Path(path).write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + n :] + extra)
 
 
 def _shared(h):
@@ -97,7 +99,7 @@ def test_tensors_must_tile_the_data_as_safetensors_requires(tmp_path, edit, extr
     path = str(tmp_path / "d.safetensors")
     save_file({"a": torch.zeros(2, 2), "b": torch.ones(2, 2)}, path)
     _rewrite_header(path, edit, extra)
-    with pytest.raises(Exception):  # the reference: the safetensors library refuses each of these files
+    with pytest.raises(SafetensorError):  # the reference: the safetensors library refuses each of these files
         load_file(path)
     with pytest.raises(CheckpointError, match=message):
         read_header(path)

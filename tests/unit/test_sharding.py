@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ def test_chunk_rows_cut_like_torch_chunk(n, world):
     got = [chunk_rows(n, world, j) for j in range(world)]
     assert [g for g in got if g[1] > g[0]] == expected
     assert got[0][0] == 0 and got[-1][1] == n  # every row covered once, in order
-    assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
 
 
 def test_layout_bundles_weight_and_bias():

@@ -58,7 +58,9 @@ def test_outputs_and_every_gradient_match_trl(name, overrides, entropy_weight):
     ours, theirs = _run(model, ids, labels, entropy_weight), _run(ref, ids, labels, entropy_weight)
     for field in ("loss", "log_probs", "aux_loss"):
         if getattr(theirs, field) is not None:
-            torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), msg=lambda m: f"{field}: {m}")
+            torch.testing.assert_close(
+                getattr(ours, field), getattr(theirs, field), msg=lambda m, field=field: f"{field}: {m}"
+            )
     # entropy = lse - sum p*z in float32 on both sides: with logits of hundreds of units the two terms
     # cancel to ~1, leaving float32's rounding of the terms (~3e-5); a wrong term is off by whole units
     torch.testing.assert_close(ours.entropy, theirs.entropy, atol=1e-4, rtol=1e-5)

@@ -81,7 +81,7 @@ def chart(rows: list[dict], args, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['strategy']}\nN={r['world_size']}" for r in rows]
     bars = ax.bar(labels, [r["tokens_per_s"] for r in rows])
-    for bar, r in zip(bars, rows):
+    for bar, r in zip(bars, rows, strict=True):
         note = f"batch {r['batch']}" if r["batch"] else "none fits"
         ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_ylabel("global tokens/s")

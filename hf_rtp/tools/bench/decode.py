@@ -4,7 +4,8 @@ GRPO-style training spends most of its time in `generate`, and hf_rtp's decode w
 weight around the ring once per new token. This measures what that costs: tokens/s of greedy
 `generate` (exactly --new-tokens new tokens) per batch size per rank, for the whole model on every rank
 (what DDP decodes with), transformers' tensor parallelism (`tp_plan="auto"`, one batch on all ranks
-together), hf_rtp, and hf_rtp decoding on a copy gathered by hf_rtp.whole_model (rtp-whole), with each one's peak memory per rank during the decode (CPU: VmRSS above the
+together), hf_rtp, and hf_rtp decoding on a copy gathered by hf_rtp.whole_model (rtp-whole), with each one's peak
+memory per rank during the decode (CPU: VmRSS above the
 process's size before loading; GPU: torch.cuda.max_memory_allocated). Writes generate.json and
 generate.png to --output.
 """
@@ -50,7 +51,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]
         else:
             peak = max(
                 peak_between(r["rss_samples"], p["start"], p["end"]) - r["baseline_rss"]
-                for r, p in zip(reports, per_rank)
+                for r, p in zip(reports, per_rank, strict=True)
             )
         seconds = max(p["seconds"] for p in per_rank)
         sequences = run["batch"] * (1 if strategy == "tp" else world_size)  # TP decodes one batch on all ranks
@@ -110,7 +111,7 @@ def chart(rows: list[dict], path: str, title: str) -> None:
                 batches = [b for b, _ in picked]
                 axes[0].plot(batches, [r["tokens_per_s"] for _, r in picked], marker="o", label=f"{strategy} N={n}")
                 axes[1].plot(batches, [r["peak_gb"] for _, r in picked], marker="o", label=f"{strategy} N={n}")
-    for ax, label in zip(axes, ("new tokens/s (all ranks)", "peak memory per rank (GB)")):
+    for ax, label in zip(axes, ("new tokens/s (all ranks)", "peak memory per rank (GB)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequences per rank")
         ax.set_ylabel(label)

@@ -142,13 +142,15 @@ def main(argv=None) -> None:
         "whole peak, import baseline included. Both as fractions of the checkpoint's bytes."
     )
     print(
-        f"{'strategy':<8} {'ranks':>5} {'load':>6} {'process':>8} {'peak GB':>8} {'before GB':>9} {'params GB':>9} {'load s':>7}"
+        f"{'strategy':<8} {'ranks':>5} {'load':>6} {'process':>8} {'peak GB':>8} {'before GB':>9} {'params GB':>9} "
+        f"{'load s':>7}"
     )
     for strategy, results in rows.items():
         worst = max(results, key=lambda r: r["peak_rss"] - r["baseline_rss"])
         print(
             f"{strategy:<8} {len(results):>5} {(worst['peak_rss'] - worst['baseline_rss']) / ckpt_bytes:>6.3f} "
-            f"{worst['peak_rss'] / ckpt_bytes:>8.3f} {worst['peak_rss'] / 1e9:>8.2f} {worst['baseline_rss'] / 1e9:>9.2f} "
+            f"{worst['peak_rss'] / ckpt_bytes:>8.3f} {worst['peak_rss'] / 1e9:>8.2f} "
+            f"{worst['baseline_rss'] / 1e9:>9.2f} "
             f"{worst['local_param_bytes'] / 1e9:>9.2f} {worst['load_s']:>7.1f}"
         )
     if args.save_to:  # a run of its own: the parent's peak would otherwise mix the save into the load

@@ -79,7 +79,7 @@ def run_ranks(
     def sample():
         while running:
             now = time.time()
-            for series, p in zip(samples, procs):
+            for series, p in zip(samples, procs, strict=True):
                 series.append((now, vm_rss(p.pid)))
             time.sleep(interval)
 
@@ -90,16 +90,16 @@ def run_ranks(
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        raise RuntimeError(f"`python -m {module}` did not finish within {timeout} s on {world_size} ranks")
+        raise RuntimeError(f"`python -m {module}` did not finish within {timeout} s on {world_size} ranks") from None
     finally:
         running = False
         sampler.join()
-    failed = [(rank, err) for rank, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+    failed = [(rank, err) for rank, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode != 0]
     if failed:
         rank, err = failed[0]
         raise RuntimeError(f"rank {rank} of `python -m {module} {' '.join(args)}` failed:\n{err[-4000:]}")
     reports = []
-    for series, (out, _) in zip(samples, outputs):
+    for series, (out, _) in zip(samples, outputs, strict=True):
         report = json.loads(out.strip().splitlines()[-1])
         report["rss_samples"] = series
         reports.append(report)

@@ -90,12 +90,16 @@ def add_efficiency(rows: list[dict], states_gb: float) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'strategy':<8} {'N':>2} {'peak GB/rank':>12} {'estimate':>8} {'efficiency':>10} {'step s':>7} {'tokens/s':>9} {'load s':>7} {'load peak GB':>12}"
+    head = (
+        f"{'strategy':<8} {'N':>2} {'peak GB/rank':>12} {'estimate':>8} {'efficiency':>10} {'step s':>7} "
+        f"{'tokens/s':>9} {'load s':>7} {'load peak GB':>12}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['strategy']:<8} {r['world_size']:>2} {r['peak_gb']:>12.3f} {r.get('estimate_gb', float('nan')):>8.3f} "
-            f"{r.get('efficiency', float('nan')):>10.2f} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} {r['load_s']:>7.1f} "
+            f"{r.get('efficiency', float('nan')):>10.2f} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} "
+            f"{r['load_s']:>7.1f} "
             f"{r['load_peak_gb']:>12.3f}"
         )
     return "\n".join(lines)
@@ -153,17 +157,17 @@ def chart(rows: list[dict], path: str, title: str) -> None:
         xs = [i + k * width for i in range(len(strategies))]
         axes[0].bar(xs, [r["peak_gb"] if r else 0 for r in picked], width, label=f"N={n}")
         axes[1].bar(xs, [r["tokens_per_s"] if r else 0 for r in picked], width, label=f"N={n}")
-    for ax, label in zip(axes[:2], ("peak memory per rank (GB)", "global tokens/s")):
+    for ax, label in zip(axes[:2], ("peak memory per rank (GB)", "global tokens/s"), strict=True):
         ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(strategies))], strategies)
         ax.set_ylabel(label)
         ax.legend()
     if panels == 3:
         for s in strategies:
             pts = sorted((r["world_size"], r["peak_gb"]) for r in rows if r["strategy"] == s)
-            axes[2].plot(*zip(*pts), marker="o", label=s)
+            axes[2].plot(*zip(*pts, strict=True), marker="o", label=s)
         ideal = sorted((r["world_size"], r["ideal_gb"]) for r in rows if r["strategy"] == "rtp" and "ideal_gb" in r)
         if ideal:
-            axes[2].plot(*zip(*ideal), linestyle="--", color="gray", label="ideal")
+            axes[2].plot(*zip(*ideal, strict=True), linestyle="--", color="gray", label="ideal")
         axes[2].set_xlabel("world size")
         axes[2].set_ylabel("peak memory per rank (GB)")
         axes[2].legend()
@@ -224,7 +228,8 @@ def parse_args(argv=None):
         nargs="?",
         const="1,8,32",
         help="instead: tokens/s and peak memory of greedy "
-        "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp and rtp-whole (hf_rtp.tools.bench.decode)",
+        "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp and rtp-whole "
+        "(hf_rtp.tools.bench.decode)",
     )
     p.add_argument("--new-tokens", type=int, default=128, help="with --generate: tokens each sequence decodes")
     p.add_argument(
