@@ -192,7 +192,7 @@ def from_pretrained(
 class _Auto:
     """`hf_rtp.AutoModelFor....from_pretrained(path, ...)`: hf_rtp.from_pretrained with that auto class."""
 
-    auto_class = None
+    auto_class: type | None = None
 
     def __init__(self):
         raise TypeError(f"{type(self).__name__} is built with {type(self).__name__}.from_pretrained(...)")
@@ -222,11 +222,11 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     """Everything hf_rtp attaches to a loaded model: its state, the collective save/push/generate, the
     DDP ignore list, Trainer adoption on `.to()`, and the guard that makes ranks meet at each forward."""
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
-    model.save_pretrained = types.MethodType(_save_pretrained, model)
-    model.push_to_hub = types.MethodType(push, model)
-    model.resize_token_embeddings = types.MethodType(resize_token_embeddings, model)
+    _attach(model, "save_pretrained", _save_pretrained)
+    _attach(model, "push_to_hub", push)
+    _attach(model, "resize_token_embeddings", resize_token_embeddings)
     if is_causal_lm(model):
-        model.generate = types.MethodType(generate, model)
+        _attach(model, "generate", generate)
     ignore_rotated_in_ddp(model)
 
     def _apply(self, fn, recurse=True):  # every Trainer moves its model to a device in __init__
@@ -235,15 +235,20 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
         keep_rotated(self)
         return applied
 
-    model._apply = types.MethodType(_apply, model)
+    _attach(model, "_apply", _apply)
     if state.topology.world_size > 1:
-        model.compile = types.MethodType(_refuse_compile, model)  # torch.compile(model) is refused at its first trace
+        _attach(model, "compile", _refuse_compile)  # torch.compile(model) is refused at its first trace
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
         backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
         make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
     return model
+
+
+def _attach(model: nn.Module, name: str, function) -> None:
+    """`function` as `model`'s own method `name`, on this instance only (the class is untouched)."""
+    setattr(model, name, types.MethodType(function, model))
 
 
 def _refuse_compile(model, *args, **kwargs):
@@ -301,6 +306,7 @@ def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype must be 'auto' or a torch dtype such as 'bfloat16', got {dtype!r}")
         dtype = getattr(torch, dtype)
+    assert isinstance(dtype, torch.dtype)  # checked above
     return dtype
 
 

@@ -95,16 +95,17 @@ def as_timedelta(value: float | timedelta | None, variable: str, default: timede
 
     Between 1 second (less cannot even open a connection between ranks) and 7 days (more overflows
     the process group's clock, and is a hang in all but name); anything else names the setting."""
-    if value is None:
-        value = os.environ.get(variable) or None
-        if value is None:
+    given: float | timedelta | str | None = value
+    if given is None:
+        given = os.environ.get(variable) or None
+        if given is None:
             return default
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+    if isinstance(given, timedelta):
+        seconds = given.total_seconds()
+    elif isinstance(given, (int, float)) and not isinstance(given, bool):
+        seconds = float(given)
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", str(value).lower())
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", str(given).lower())
         seconds = (
             float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
             if match
@@ -114,7 +115,7 @@ def as_timedelta(value: float | timedelta | None, variable: str, default: timede
         raise TopologyError(
             f"{variable}{' (or timeout=)' if variable == 'HF_RTP_TIMEOUT' else ''} must be a duration from 1 second "
             "to 7 days: seconds like 600, or 90s, 10m, 1h, "
-            f"2d; got {value!r}"
+            f"2d; got {given!r}"
         )
     return timedelta(seconds=seconds)
 

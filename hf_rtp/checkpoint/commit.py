@@ -131,7 +131,7 @@ def commit(staging: str, directory: str, filenames: list[str]) -> None:
     _finish(directory, record)
 
 
-def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[str]) -> dict[str, list[int]]:
+def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[str]) -> dict[str, list[int] | None]:
     """The shards the old index names and the new save does not write, with their identities now.
     Only these are removed after the commit (vanilla removes the same ones by name pattern alone)."""
     if INDEX_NAME not in old_entries:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -75,13 +75,13 @@ def own(name: str, shape: torch.Size) -> Source:
     return Source([(name, shape)])
 
 
-def stored_sources(model: nn.Module, stored: list[str]) -> dict[str, Source]:
+def stored_sources(model: PreTrainedModel, stored: list[str]) -> dict[str, Source]:
     """Parameter name -> its Source, for every parameter the stored names provide (others: absent)."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    prefix = model.base_model_prefix
+    prefix: str = model.base_model_prefix
     known = dict.fromkeys(model.state_dict(keep_vars=True), True)
     shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
 

@@ -15,7 +15,7 @@ import hashlib
 import os
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,7 +38,8 @@ class BlockHasher:
     """Digests of a data section written front to back (the streaming writer feeds it as it writes)."""
 
     def __init__(self, total: int, block: int = BLOCK_BYTES):
-        self.block, self._out, self._current, self._filled = block, [], hashlib.sha256(), 0
+        self.block, self._current, self._filled = block, hashlib.sha256(), 0
+        self._out: list[str] = []
 
     @staticmethod
     def metadata(total: int, digests: str | None = None, block: int = BLOCK_BYTES) -> dict[str, str]:
@@ -79,19 +80,18 @@ class BlockDigests:
         if not isinstance(metadata, dict) or DIGESTS_KEY not in metadata:
             return None
         block, digests = metadata.get(SIZE_KEY), metadata[DIGESTS_KEY]
+        size = int(block) if isinstance(block, str) and block.isdigit() else 0
         valid = (
-            isinstance(block, str)
-            and block.isdigit()
-            and 4096 <= int(block) <= 1 << 30
+            4096 <= size <= 1 << 30
             and isinstance(digests, str)
-            and len(digests) == _HEX * _blocks(data_size, int(block))
+            and len(digests) == _HEX * _blocks(data_size, size)
             and re.fullmatch(r"[0-9a-f]*", digests)
         )
         if not valid:
             raise CheckpointError(
                 f"{path} carries block digests that do not fit its data: it is damaged, save it again"
             )
-        return cls(path, data_start, data_size, int(block), digests)
+        return cls(path, data_start, data_size, size, digests)
 
     def verify(self, offset: int, data: memoryview) -> None:
         """Check bytes `data`, read from absolute file position `offset`, against the recorded blocks;
@@ -136,7 +136,8 @@ class _Overlap:
     """Verification on worker threads (hashlib releases the GIL), at most `limit` bytes behind the reads."""
 
     def __init__(self, pool: ThreadPoolExecutor, limit: int):
-        self.pool, self.limit, self.futures = pool, limit, []
+        self.pool, self.limit = pool, limit
+        self.futures: list[Future] = []
         self.room = threading.BoundedSemaphore(max(1, limit // BLOCK_BYTES))
 
     def submit(self, verify, offset: int, data: memoryview) -> None:

@@ -118,10 +118,11 @@ def resolve_directory(
             raise CheckpointError(f"{name_or_path} has no config.json; is it a transformers checkpoint directory?")
         return name_or_path, None
     if not dist.is_initialized():
-        path = _download(name_or_path, revision, token, cache_dir, local_files_only)
-        return path, os.path.basename(path)
+        downloaded = _download(name_or_path, revision, token, cache_dir, local_files_only)
+        return downloaded, os.path.basename(downloaded)
     rank, node_first = dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    path, commit = None, None
+    path: str | None = None
+    commit: str | None = None
     with agreed(group, CheckpointError):
         if rank == 0:
             path = _download(name_or_path, revision, token, cache_dir, local_files_only)

@@ -208,6 +208,7 @@ def hash_file(entry: TensorEntry) -> str:
 
 def _verify_blocks(entry: TensorEntry, position: int, chunk: bytes) -> None:
     """The part of a whole-file read that lies in the data section, against the recorded blocks."""
+    assert entry.blocks is not None  # whole-file reads verify blocks only where the file records them
     start = entry.blocks.data_start
     if position + len(chunk) > start:
         skip = max(0, start - position)
@@ -257,4 +258,4 @@ def agree_on_read(read: dict[str, str], identities: dict[str, tuple], entries: d
 def tensor_digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes as read from the file (before any dtype conversion)."""
     flat = tensor.detach().contiguous().reshape(-1)
-    return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"").hexdigest()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data if flat.numel() else b"").hexdigest()

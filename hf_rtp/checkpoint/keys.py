@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..distributed.sharding import chunk_rows
 from ..distributed.topology import Topology
@@ -21,7 +22,7 @@ from .conversion import Source, own, stored_sources
 from .safetensors_io import TensorEntry, read_rows
 
 
-def untie_stored_apart(model: nn.Module, entries: dict[str, TensorEntry], topology: Topology) -> list[str]:
+def untie_stored_apart(model: PreTrainedModel, entries: dict[str, TensorEntry], topology: Topology) -> list[str]:
     """Collective. Untie the ties whose two names the checkpoint stores with different values, as
     vanilla from_pretrained does (with its warning): the config says tied, the file says otherwise,
     and the file wins. Each rank compares only its own rows; one all-reduce makes the verdict common.
@@ -72,7 +73,7 @@ class Want:
 
 
 def wants_for(
-    model: nn.Module, resolution: Resolution, topology: Topology, entries: dict[str, TensorEntry]
+    model: PreTrainedModel, resolution: Resolution, topology: Topology, entries: dict[str, TensorEntry]
 ) -> tuple[dict[str, Want], dict[str, Source]]:
     """What this rank reads for each parameter; and each parameter's source, for saving."""
     targets = tie_targets(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from .. import faults
 from ..distributed.agreement import agreed
@@ -81,6 +82,7 @@ def load_into(model: nn.Module, directory: str) -> None:
     """Collective. Overwrite a rotated model's weights with those of a standard checkpoint (a Trainer's
     best checkpoint, say), each rank reading only its rows, as from_pretrained does."""
     base, state = rotated_module(model), state_of(model)
+    assert isinstance(base, PreTrainedModel)  # state_of found it: a model hf_rtp loaded
     topology = state.topology
     with agreed(topology.control, CheckpointError):
         if topology.rank == 0:  # a save_pretrained a crash interrupted mid-commit: finished when provably hf_rtp's

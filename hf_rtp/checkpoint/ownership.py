@@ -117,7 +117,8 @@ class FolderLock:
     """
 
     def __init__(self, path: str, what: str):
-        self.path, self.what, self._fd = path, what, None
+        self.path, self.what = path, what
+        self._fd: int | None = None
 
     def acquire(self) -> FolderLock:
         for _ in range(5):  # the previous holder may unlink the file between our open and our lock

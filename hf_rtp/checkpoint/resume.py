@@ -13,12 +13,14 @@ import math
 import os
 import re
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import faults
@@ -39,7 +41,8 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
     """The state dicts DCP fills in place, and their tensors under flat names (the writer wants tensors)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)  # creates optimizer state with the right layout
     flat = {f"model.{k}": v for k, v in model_sd.items()}
-    for fqn, state in optim_sd["state"].items():
+    states: Any = optim_sd["state"]  # {fqn: {key: value}}; DCP's annotation covers every state dict shape
+    for fqn, state in states.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 flat[f"optim.{fqn}.{key}"] = value
@@ -313,6 +316,8 @@ def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd:
         )
     for key, tensor in flat.items():
         meta, shape = stored[key], tuple(tensor.shape)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{directory} stores {key} as bytes, not as a tensor: it belongs to another model")
         covered = sum(math.prod(c.sizes) for c in {(tuple(c.offsets), tuple(c.sizes)): c for c in meta.chunks}.values())
         if tuple(meta.size) != shape or covered != math.prod(shape):
             raise CheckpointError(

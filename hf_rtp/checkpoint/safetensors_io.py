@@ -164,8 +164,10 @@ def _check_layout(path: str, spans: list[tuple[int, int, str]], data_size: int) 
 def read_rows(
     entry: TensorEntry, start: int | None = None, end: int | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Rows [start, end) of a tensor (all of it by default), into `out` (contiguous CPU) or a new tensor."""
+    """Rows [start, end) of a tensor (all of it by default; `end` defaults to the last row), into `out`
+    (contiguous CPU) or a new tensor."""
     if entry.shape and start is not None:
+        end = entry.shape[0] if end is None else end
         shape = torch.Size((end - start, *entry.shape[1:]))
         offset = entry.offset + start * entry.row_bytes
     else:
@@ -174,7 +176,7 @@ def read_rows(
         out = torch.empty(shape, dtype=entry.dtype)
     elif out.dtype != entry.dtype or out.numel() != math.prod(shape) or not out.is_contiguous():
         raise ValueError(f"cannot read {entry.name} {list(shape)} {entry.dtype} into {list(out.shape)} {out.dtype}")
-    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    view = out.view(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
     fd = os.open(entry.path, os.O_RDONLY)
     try:
         done = 0
@@ -238,7 +240,7 @@ class StreamingWriter:
         for part in parts:
             blob = part.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             if blob.numel():
-                view = memoryview(blob.numpy())
+                view = blob.numpy().data
                 self._file.write(view)
                 self._hasher.update(view)
             written += blob.numel()

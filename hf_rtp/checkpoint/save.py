@@ -43,7 +43,9 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
 
     A tensor larger than the limit gets a file of its own, without closing the file being filled.
     """
-    shards, current, used = [], [], 0
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
     for name, nbytes in sizes:
         if nbytes > max_bytes:
             shards.append([name])
@@ -80,6 +82,10 @@ def _stored_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, _Store
         for stored_name, shape, rows, cols in (sources.get(name) or own(name, tensor.shape)).stored_parts(tensor.shape):
             out[stored_name] = _Stored(tensor, shape, rows, cols)
     return out
+
+
+def _open_shard(staging: str, filename: str, layout: list) -> StreamingWriter:
+    return StreamingWriter(os.path.join(staging, filename), layout, {"format": "pt"})
 
 
 def _pieces_on_writer(stored: _Stored, topology: Topology):
@@ -172,7 +178,7 @@ def save_pretrained(
             writer = None
             if writer_rank:
                 layout = [(n, tensors[n].tensor.dtype, tensors[n].shape) for n in shard]
-                writer = attempt(StreamingWriter, os.path.join(staging, filename), layout, {"format": "pt"})
+                writer = attempt(_open_shard, staging, filename, layout)
             for name in shard:
                 parts = _pieces_on_writer(tensors[name], topology)
                 if writer is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import faults
 from .pending import Pending
@@ -87,6 +88,7 @@ class ReplicaSum:
         if id(param) not in task["expected"]:
             return  # accumulated by another path only (a replicated use): nothing of the ring's to sum
         task["expected"].discard(id(param))
+        assert isinstance(param.grad, DTensor)  # this hook runs after autograd accumulated a rotated gradient
         grad = param.grad.to_local()
         faults.point("replicas.reduce")
         grad.div_(self.count)  # then summed: the mean over replicas, and earlier micro-batches' parts unchanged

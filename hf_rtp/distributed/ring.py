@@ -133,6 +133,10 @@ class Ring:
         # process groups and buffers, not data: a copied rotated layer (PEFT's modules_to_save) walks this ring
         return self
 
+    def _global_rank(self, ring_rank: int) -> int:
+        assert self.group is not None  # only rings of two or more address a peer
+        return dist.get_global_rank(self.group, ring_rank)
+
     def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
@@ -258,9 +262,11 @@ class Ring:
                 rows, next_rows = layout.piece(index, p, pieces), layout.piece(following, p, pieces)
                 weights_pending = grads_pending = None
                 if input_grad is not None and not last:
+                    assert held is not None  # held whenever input_grad is given
                     incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), travel)
                     weights_pending = self._exchange(held, incoming, _WEIGHT_TAG)
                 if accumulate is not None:
+                    assert home is not None  # made above whenever accumulate is given
                     piece = held if input_grad is not None else None
                     if step == 0:  # this rank's share of its own piece's gradient stays home
                         mine = self._own_piece(home, layout, rows)
@@ -272,11 +278,13 @@ class Ring:
                             acc = self.pool.take("grads", 1, layout.shapes_of(rows), reduced)
                             for a in acc:
                                 a.zero_()
+                        assert acc is not None  # taken at step 1
                         accumulate(rows, piece, acc)
                         landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), reduced)
                         # Sent while input_grad below runs: the transfer hides behind that matmul.
                         grads_pending = self._exchange(acc, landing, _GRAD_TAG)
                 if input_grad is not None:
+                    assert held is not None
                     input_grad(rows, held)
                 if weights_pending is not None:
                     weights_pending.wait()
@@ -285,6 +293,7 @@ class Ring:
                     grads_pending.wait()
                     acc = landing
                     if last:  # the other ranks' shares of this rank's piece: add them to its own
+                        assert home is not None
                         mine = self._own_piece(home, layout, next_rows)
                         for m, arrived in zip(mine, landing, strict=True):
                             m.add_(arrived)
@@ -310,9 +319,7 @@ class Ring:
             first = layout.bounds(self.rank)[0]
             for lo, hi in pieces(self.rank):
                 piece = own[lo - first : hi - first].contiguous()
-                Pending(
-                    [dist.isend(piece, dist.get_global_rank(self.group, 0), group=self.group, tag=_COLLECT_TAG)]
-                ).wait()
+                Pending([dist.isend(piece, self._global_rank(0), group=self.group, tag=_COLLECT_TAG)]).wait()
             return
 
         for lo, hi in pieces(0):
@@ -322,10 +329,11 @@ class Ring:
         def receive(k: int):
             j, (lo, hi) = foreign[k]
             (buffer,) = self.pool.take("weights", k % 2, [torch.Size((hi - lo, *own.shape[1:]))], own)
-            return buffer, dist.irecv(buffer, dist.get_global_rank(self.group, j), group=self.group, tag=_COLLECT_TAG)
+            return buffer, dist.irecv(buffer, self._global_rank(j), group=self.group, tag=_COLLECT_TAG)
 
         incoming = receive(0) if foreign else None
         for k in range(len(foreign)):
+            assert incoming is not None  # received for k before the loop or at k - 1
             buffer, work = incoming
             Pending([work]).wait()
             if k + 1 < len(foreign):

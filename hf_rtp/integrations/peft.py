@@ -79,7 +79,7 @@ def make_peft_use_global_features() -> None:
     # PEFT's tuner modules import the function by name; rebind it wherever that happened already.
     for name, module in list(sys.modules.items()):
         if name.startswith("peft.") and getattr(module, "_get_in_out_features", None) is original:
-            module._get_in_out_features = get_in_out_features
+            setattr(module, "_get_in_out_features", get_in_out_features)  # noqa: B010 (a module's global)
     _stand_in_for_dora_norm()
     _stand_in_for_trainable_tokens()
     _refuse_merges_peft_gets_wrong()
@@ -98,7 +98,7 @@ def _stand_in_for_dora_norm() -> None:
         return whole(norm) if isinstance(norm, RotatedTensor) else norm
 
     setattr(get_weight_norm, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm")
-    DoraLinearLayer.get_weight_norm = get_weight_norm
+    DoraLinearLayer.get_weight_norm = get_weight_norm  # type: ignore[method-assign]  # the stand-in, see above
 
 
 def adapter_state_dict(model) -> dict | None:
@@ -214,4 +214,4 @@ def _refuse_merges_peft_gets_wrong() -> None:
 
     setattr(merge, _MARK, "peft.tuners.lora.layer.Linear.merge")
     setattr(merge_tokens, _MARK, "peft.tuners.trainable_tokens.layer.TrainableTokensLayer.merge")
-    Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens
+    Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens  # type: ignore[method-assign]  # stand-ins

@@ -144,7 +144,7 @@ def _trainer_in_stack(names: tuple[str, ...], depth: int):
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return None
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
@@ -179,12 +179,13 @@ def save_model(self, output_dir: str | None = None, _internal_call: bool = False
     model.save_pretrained(output_dir)  # collective
     if self.args.should_save:  # the rest as Trainer writes it: processing class or collator's tokenizer, args
         rotated = rotated_module(model)
+        assert rotated is not None  # attach_trainer checked that the model is rotated
         collective = rotated.__dict__["save_pretrained"]
-        rotated.save_pretrained = lambda *args, **kwargs: None  # written above, by every rank
+        rotated.__dict__["save_pretrained"] = lambda *args, **kwargs: None  # written above, by every rank
         try:
             type(self)._save(self, output_dir)
         finally:
-            rotated.save_pretrained = collective
+            rotated.__dict__["save_pretrained"] = collective
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

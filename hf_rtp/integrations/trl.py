@@ -25,6 +25,7 @@ import functools
 import inspect
 import sys
 import types
+from typing import Any
 
 import torch
 from packaging.version import Version
@@ -82,7 +83,11 @@ def create_model_from_path(model_id, architecture=None, *, original, **kwargs):
     trainer = sys._getframe(1).f_locals.get("self")  # the trainer whose __init__ builds the reference
     policy = getattr(trainer, "model", None)
     state = state_of(policy, required=False) if isinstance(policy, nn.Module) else None
-    if state is None or state.load_like is None or model_id != getattr(policy.config, "_name_or_path", None):
+    if (
+        state is None
+        or state.load_like is None
+        or model_id != getattr(getattr(policy, "config", None), "_name_or_path", None)
+    ):
         return original(model_id, architecture, **kwargs)
     if kwargs.pop("quantization_config", None) is not None:
         raise IntegrationError(
@@ -226,7 +231,7 @@ def install(model, outputs: tuple[str, ...]) -> None:
 
         log_probs = spread(-nll)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        aux_loss = None
+        aux_loss: Any = None  # transformers' load_balancing_loss_func: a tensor, or 0 without router logits
         if kwargs.get("output_router_logits"):
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 

@@ -18,7 +18,7 @@ from .linear import RotatedLinear, linear_refusal
 class LayerKind:
     refusal: Callable[[nn.Module], str | None]
     """why this kind cannot reproduce a module's forward exactly; None when it can"""
-    rotated: type[nn.Module]
+    rotated: type[RotatedLinear | RotatedEmbedding | RotatedConv1D | RotatedExperts]
     rotated_leaves: tuple[str, ...]
     """parameters cut along dim 0; the module's other parameters stay replicated (Conv1D's bias)"""
     replaces: str

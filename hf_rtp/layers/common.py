@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from typing import overload
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -12,6 +13,10 @@ from torch.distributed.tensor import DTensor
 from ..distributed.rotated import RotatedTensor, local_chunk
 
 
+@overload
+def local(param: torch.Tensor) -> torch.Tensor: ...
+@overload
+def local(param: None) -> None: ...
 def local(param: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's chunk, still connected to autograd so its gradient lands on the DTensor (a rotated
     parameter's as a RotatedTensor, see distributed.rotated)."""
@@ -58,7 +63,7 @@ def finish_weight_grads(ctx, landed, ring, inputs, positions=(1, 2)) -> list[tor
     accumulates `.grad` where it will (distributed.replicas, overlapped with earlier layers' backward),
     else here, at once.
     """
-    grads = []
+    grads: list[torch.Tensor | None] = []
     for i, p in enumerate(positions):
         if landed is None or i >= len(landed) or not ctx.needs_input_grad[p]:
             grads.append(None)

@@ -45,6 +45,7 @@ class _RotatedConv1DFn(torch.autograd.Function):
 
         def input_grad(rows, chunk):
             start, end = rows
+            assert grad_x is not None  # input_grad runs only when grad_x was made
             grad_x[:, start:end] = g2 @ chunk[0].to(g2.dtype).t()  # each chunk owns its input columns
 
         landed = ctx.ring.backward_walk(

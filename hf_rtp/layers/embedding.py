@@ -10,6 +10,8 @@ exact text of its forward, so an edited copy is refused rather than silently uns
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,7 +65,7 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
 class RotatedEmbedding(nn.Embedding):
     """A drop-in nn.Embedding whose weight is a Shard(0) DTensor over the vocabulary."""
 
-    def __init__(self, source: nn.Embedding, *, ring: Ring, weight: nn.Parameter):
+    def __init__(self, source: Any, *, ring: Ring, weight: nn.Parameter):  # an nn.Embedding, maybe scaled (Gemma)
         nn.Module.__init__(self)
         if source.max_norm is not None or source.scale_grad_by_freq or source.sparse:
             raise NotImplementedError(

@@ -11,6 +11,8 @@ a contiguous row range of three saved tensors.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -141,7 +143,7 @@ class RotatedExperts(nn.Module):
 
     def __init__(
         self,
-        source: nn.Module,
+        source: Any,  # duck-typed: any fused experts class whose forward the plan's check accepted
         *,
         ring: Ring,
         gate_up_proj: nn.Parameter,
@@ -169,8 +171,9 @@ class RotatedExperts(nn.Module):
         self.layout = ChunkLayout(tuple(w.shape for w in self._weights()), ring.size)
 
     def _weights(self) -> list[torch.Tensor]:
-        biases = [self.gate_up_proj_bias, self.down_proj_bias] if self.gate_up_proj_bias is not None else []
-        return [self.gate_up_proj, self.down_proj, *biases]
+        params = self._parameters
+        biases = ["gate_up_proj_bias", "down_proj_bias"] if params.get("gate_up_proj_bias") is not None else []
+        return [t for t in (params[n] for n in ["gate_up_proj", "down_proj", *biases]) if t is not None]
 
     def forward(
         self, hidden_states, top_k_index=None, top_k_weights=None, *, router_indices=None, routing_weights=None

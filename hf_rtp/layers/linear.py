@@ -53,6 +53,7 @@ class _RotatedLinearFn(torch.autograd.Function):
 
         def input_grad(rows, chunk):
             start, end = rows
+            assert grad_x is not None  # input_grad runs only when grad_x was made
             grad_x.addmm_(g2[:, start:end], chunk[0].to(g2.dtype))
 
         landed = ring.backward_walk(
@@ -77,7 +78,7 @@ class RotatedLinear(nn.Linear):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a full weight
         self.in_features, self.out_features = source.in_features, source.out_features
         self.weight = weight
-        self.bias = bias
+        self.bias = bias  # type: ignore[assignment]  # nn.Linear declares a Parameter, holds None without bias
         self.ring = ring
         shapes = (weight.shape,) if bias is None else (weight.shape, bias.shape)
         self.layout = ChunkLayout(tuple(shapes), ring.size)

@@ -32,7 +32,7 @@ def ignore_rotated_in_ddp(module: nn.Module) -> None:
 
     from_pretrained does this for the model it returns, so a PEFT model around it needs no call either.
     """
-    module._ddp_params_and_buffers_to_ignore = _RotatedNames(module)
+    module._ddp_params_and_buffers_to_ignore = _RotatedNames(module)  # type: ignore[assignment]  # DDP's own attribute
 
 
 def sync_grads(model: nn.Module) -> None:

@@ -23,7 +23,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .. import log
@@ -66,7 +66,7 @@ def _names(node) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
+def read_head(model: PreTrainedModel) -> tuple[list[tuple[str, str]], str | None]:
     """The transforms of `model`'s head as (HeadTransform field, model attribute) pairs, and why the
     fused loss cannot reproduce its forward (None when it can)."""
     head = model.get_output_embeddings()
@@ -80,6 +80,8 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return [], "the source of its forward is not available"
+    if not isinstance(tree, ast.FunctionDef):
+        return [], "its forward is not a plain function"
     body = tree.body
     at = next(
         (
@@ -94,7 +96,9 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
     )
     if at is None:
         return [], f"its forward does not compute `logits = self.{attribute}(hidden_states)`"
-    name = body[at].targets[0].id
+    assignment = body[at]
+    assert isinstance(assignment, ast.Assign) and isinstance(assignment.targets[0], ast.Name)  # found so above
+    name = assignment.targets[0].id
     transforms, rest = [], body[at + 1 :]
     while rest and not (isinstance(rest[0], ast.If) and ast.unparse(rest[0].test) == "labels is not None"):
         text = ast.unparse(_Renamer(name).visit(rest.pop(0)))
@@ -105,11 +109,13 @@ def read_head(model: nn.Module) -> tuple[list[tuple[str, str]], str | None]:
         transforms.append(_TRANSFORMS[text])
     if (
         not rest
+        or not isinstance(rest[0], ast.If)
         or not rest[0].body
         or not (isinstance(rest[0].body[0], ast.Assign) and _is_self_call(rest[0].body[0].value, "loss_function"))
     ):
         return [], "its forward does not call self.loss_function(logits, labels, ...) right after the head"
     call = rest[0].body[0].value
+    assert isinstance(call, ast.Call)  # _is_self_call accepted it
     first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
     if not (isinstance(first, ast.Name) and first.id == name):
         return [], "its loss is not computed from the head's logits"
@@ -147,7 +153,7 @@ def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-1
     return fn(cast_for_matmul(hidden), local(head.weight), local(head.bias), targets, head.ring, head.layout, transform)
 
 
-def install_forward(model: nn.Module, fused: bool) -> bool:
+def install_forward(model: PreTrainedModel, fused: bool) -> bool:
     """Give `model` hf_rtp's forward: it takes `return_logits=`, and with `fused` it routes the loss of
     training forwards with labels through the fused head when the family qualifies (see the module
     docstring). Returns whether the fused loss is on."""
@@ -167,6 +173,7 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
         if not capture.active:
             return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         hidden, capture.hidden, capture.active = capture.hidden, None, False
+        assert hidden is not None  # the head's forward ran in this fused forward and held its input
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = shift_labels.reshape(-1).to(hidden.device)
@@ -191,12 +198,13 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
             or kwargs.get("logits_to_keep")
         ):
             return plain(self, *args, **kwargs)
+        assert head_name is not None  # read_head found the head among the model's children
         head = getattr(self, head_name)
         # replaced since loading: a PEFT adapter on the head, a user's own loss_function
         if not isinstance(head, RotatedLinear) or self.__dict__.get("_loss_function") is not loss_function:
             return plain(self, *args, **kwargs)
         capture.active = True
-        head.forward = capture.hold
+        head.forward = capture.hold  # type: ignore[method-assign,assignment]  # this forward only; deleted below
         try:
             out = plain(self, *args, **kwargs)
         finally:
@@ -207,7 +215,7 @@ def install_forward(model: nn.Module, fused: bool) -> bool:
         return _without_logits(out)
 
     if fused:
-        loss_function.hf_rtp_fused = True  # ForCausalLMLoss through the ring: read_head accepts it
+        loss_function.hf_rtp_fused = True  # type: ignore[attr-defined]  # ForCausalLMLoss through the ring: read_head accepts it
         model.loss_function = loss_function
     model.forward = types.MethodType(forward, model)
     return fused

@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    PreTrainedModel,
 )
 
 from .. import log
@@ -81,7 +82,9 @@ def fresh_head(model: nn.Module, missing: list[str], rotated: set[str]) -> list[
     return missing
 
 
-def initialise_head(model: nn.Module, names: list[str], dtype: torch.dtype, device: torch.device, control) -> None:
+def initialise_head(
+    model: PreTrainedModel, names: list[str], dtype: torch.dtype, device: torch.device, control
+) -> None:
     """Collective. Vanilla's initialisation of `names` (meta parameters) on rank 0, sent to every rank."""
     log.warning(
         f"Some weights of {type(model).__name__} were not initialized from the model checkpoint and are newly "

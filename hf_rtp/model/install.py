@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -9,6 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..distributed.rotated import make_rotated
 from ..distributed.topology import Topology
 from ..layers import LAYERS
+from ..layers.common import local
 from ..plans import Resolution
 from .ties import tie_targets
 
@@ -38,12 +41,12 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
             setattr(model.get_submodule(owner) if owner else model, leaf, param)
     if rotate:
         for module_name, kind in resolution.rotated.items():
-            source = model.get_submodule(module_name)
-            leaves = {leaf: params[f"{module_name}.{leaf}"] for leaf, _ in source.named_parameters(recurse=False)}
-            rotated = LAYERS[kind].rotated(source, ring=topology.ring, **leaves)
+            original: Any = model.get_submodule(module_name)  # of the class the plan resolved for `kind`
+            leaves = {leaf: params[f"{module_name}.{leaf}"] for leaf, _ in original.named_parameters(recurse=False)}
+            rotated = LAYERS[kind].rotated(original, ring=topology.ring, **leaves)
             model.set_submodule(module_name, rotated)
             first = params[f"{module_name}.{LAYERS[kind].rotated_leaves[0]}"]
-            topology.ring.plan(rotated.layout, first.to_local())
+            topology.ring.plan(rotated.layout, local(first))
 
     for module in model.modules():
         for key, buffer in module._buffers.items():

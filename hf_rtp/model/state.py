@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 from torch import nn
 
@@ -29,7 +30,8 @@ class RTPState:
 
 def rotated_module(model: nn.Module) -> nn.Module | None:
     """The model hf_rtp loaded: `model` itself, or inside DDP, PEFT, accelerate or compile wrappers."""
-    seen, visited = model, set()
+    seen: nn.Module | None = model
+    visited: set[int] = set()
     while seen is not None and id(seen) not in visited:
         if ATTRIBUTE in getattr(seen, "__dict__", {}):
             return seen
@@ -41,6 +43,12 @@ def rotated_module(model: nn.Module) -> nn.Module | None:
     return None
 
 
+@overload
+def state_of(model: nn.Module) -> RTPState: ...
+@overload
+def state_of(model: nn.Module, required: Literal[True]) -> RTPState: ...
+@overload
+def state_of(model: nn.Module, required: bool) -> RTPState | None: ...
 def state_of(model: nn.Module, required: bool = True) -> RTPState | None:
     """The state of the rotated model inside `model` (see rotated_module)."""
     found = rotated_module(model)

@@ -102,7 +102,7 @@ def _new_size(old: int, new_num_tokens, pad_to_multiple_of) -> int | None:
 
 def _places(topology) -> list[tuple[int, int]]:
     """(replica, ring rank) of every global rank: a device_mesh may lay rings out in any order."""
-    places = [None] * topology.world_size
+    places: list = [None] * topology.world_size
     dist.all_gather_object(places, (topology.dp_rank, topology.rtp_rank), group=topology.control)
     return places
 
@@ -118,6 +118,7 @@ def _collect(param: torch.Tensor, topology) -> torch.Tensor | None:
     whole = torch.empty(param.shape, dtype=chunk.dtype, device=chunk.device) if topology.is_writer else None
     row = 0
     for piece in topology.ring.collect(chunk, layout):  # pieces land in reused slots: copy each at once
+        assert whole is not None  # the ring yields on its rank 0, the writer, only
         whole[row : row + piece.shape[0]].copy_(piece)
         row += piece.shape[0]
     return whole
@@ -146,8 +147,9 @@ def _sent(whole: torch.Tensor | None, old: torch.Tensor, size: int, places, writ
     """This rank's part of the writer's `whole`: its rows if `old` was rotated, else all of it."""
     shape = torch.Size((size, *old.shape[1:]))
     like = local(old).detach()
+    assert topology.rank != writer or whole is not None  # the writer resized it
     if not isinstance(old, RotatedTensor):
-        received = whole if topology.rank == writer else like.new_empty(shape)
+        received = whole if whole is not None and topology.rank == writer else like.new_empty(shape)
         dist.broadcast(received, src=writer, group=topology.group)
         return nn.Parameter(received)
     ring = topology.rtp_size
@@ -159,7 +161,7 @@ def _sent(whole: torch.Tensor | None, old: torch.Tensor, size: int, places, writ
         for _, ring_rank in places:
             start, end = chunk_rows(size, ring, ring_rank)
             padded = like.new_zeros((widest, *shape[1:]))
-            padded[: end - start] = whole[start:end]
+            padded[: end - start] = whole[start:end]  # type: ignore[index]  # the writer's, checked above
             pieces.append(padded)
     dist.scatter(mine, pieces, src=writer, group=topology.group)
     start, end = chunk_rows(size, ring, topology.rtp_rank)

@@ -13,14 +13,14 @@ import copy
 
 import torch
 from accelerate import init_empty_weights
-from torch import nn
+from transformers import PreTrainedModel
 
 from .. import log
 from ..distributed.rotated import RotatedTensor
 from .state import state_of
 
 
-def whole_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+def whole_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """A vanilla transformers model of `model`'s class with every weight whole, in eval mode. Collective.
 
     `dtype` (e.g. torch.bfloat16) halves the copy of float32 weights. The copy shares nothing with
@@ -44,7 +44,7 @@ def whole_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
     missing = [n for n, p in whole.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"hf_rtp.whole_model: no weights for {', '.join(missing[:5])}")
-    whole.to(state.topology.device)
+    whole.to(state.topology.device)  # type: ignore[arg-type]  # transformers' to() wrapper hides its signature
     if getattr(model, "generation_config", None) is not None:
         whole.generation_config = copy.deepcopy(model.generation_config)
     size = sum(p.numel() * p.element_size() for p in whole.parameters())

@@ -59,7 +59,7 @@ def _warn_if_mostly_whole(model: nn.Module, replicate: tuple[str, ...]) -> None:
     whole = {n: sizes[n] for n in replicate if n in sizes}
     share = sum(whole.values()) / max(sum(sizes.values()), 1)
     if share > 0.5:
-        biggest = sorted(whole, key=whole.get, reverse=True)
+        biggest = sorted(whole, key=lambda n: whole[n], reverse=True)
         log.warning(
             f"plan='auto' keeps {share:.0%} of {type(model).__name__}'s parameters whole on every rank, so each rank "
             f"holds most of the model: {', '.join(biggest[:12])}"

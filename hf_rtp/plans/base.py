@@ -51,10 +51,10 @@ class Plan:
         rotated_params, replicated, uncovered, doubly = set(), [], [], []
         for name, _ in model.named_parameters(remove_duplicate=False):
             owner, _, leaf = name.rpartition(".")
-            kind = rotated.get(owner)
-            is_rotated = kind is not None and leaf in LAYERS[kind].rotated_leaves
+            owner_kind = rotated.get(owner)
+            is_rotated = owner_kind is not None and leaf in LAYERS[owner_kind].rotated_leaves
             # a rotated op's other parameters (Conv1D's bias, added after the summed partials) stay whole
-            carried = kind is not None and not is_rotated
+            carried = owner_kind is not None and not is_rotated
             is_replicated = carried or any(fnmatchcase(name, pattern) for pattern in self.replicate)
             if is_rotated and is_replicated:
                 doubly.append(name)

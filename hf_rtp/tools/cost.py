@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 NVLINK_BYTES_S = 450e9  # per GPU, one direction (H100 SXM)
 NETWORK_BYTES_S = 50e9  # 400 Gb/s per GPU
@@ -97,7 +98,7 @@ def strategies(params: int, layer_params: int, nodes: int, per_node: int) -> dic
 def llama3(size: str):
     from transformers import LlamaConfig
 
-    shapes = {
+    shapes: dict[str, dict[str, Any]] = {
         "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
         "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
     }

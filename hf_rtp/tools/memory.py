@@ -24,6 +24,7 @@ import argparse
 import math
 import os
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ def load_config(model_or_config: str):
     return AutoConfig.from_pretrained(model_or_config)
 
 
-def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+def _meta_model(config, dtype: torch.dtype) -> Any:  # a transformers model on meta
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -87,7 +88,7 @@ def _fused_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def saved_activation_bytes(
-    model: nn.Module, batch: int, seq: int, labels: bool = True, gradient_checkpointing: bool = False
+    model: Any, batch: int, seq: int, labels: bool = True, gradient_checkpointing: bool = False
 ) -> int:
     """Bytes autograd keeps for backward in one forward of `batch` x `seq` tokens, traced on meta.
 
@@ -140,7 +141,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int, int]:
+def _rtp_local(model: Any, world_size: int, itemsize: int, piece_bytes: int) -> tuple[int, int, int, int]:
     """(elements this rank holds, its largest local tensor, pool slot elements, of which an embedding's
     lookup needs) under hf_rtp's plan."""
     from .. import plans
@@ -170,7 +171,7 @@ def _rtp_local(model: nn.Module, world_size: int, itemsize: int, piece_bytes: in
     return local, largest, piece, lookup
 
 
-def _tp_local(model: nn.Module, world_size: int) -> int:
+def _tp_local(model: Any, world_size: int) -> int:
     """Elements a rank holds under transformers' tp_plan: planned modules' weights split N ways."""
     import fnmatch
 
@@ -270,7 +271,7 @@ def estimate(
     return result
 
 
-def _activations(model: nn.Module, batch: int, seq: int, labels: bool, gradient_checkpointing: bool) -> float:
+def _activations(model: Any, batch: int, seq: int, labels: bool, gradient_checkpointing: bool) -> float:
     full = saved_activation_bytes(model, batch, seq, labels)
     if not gradient_checkpointing:
         return full

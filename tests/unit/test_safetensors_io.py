@@ -26,6 +26,7 @@ def test_reads_rows_of_files_written_by_safetensors(tmp_path):
         assert torch.equal(read_rows(entries[name]), tensor)
     assert torch.equal(read_rows(entries["a"], 2, 5), TENSORS["a"][2:5])
     assert read_rows(entries["a"], 7, 7).shape == (0, 3)
+    assert torch.equal(read_rows(entries["a"], 2), TENSORS["a"][2:])  # end defaults to the last row
 
 
 def test_streamed_file_is_read_by_safetensors(tmp_path):

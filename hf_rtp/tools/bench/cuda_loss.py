@@ -12,6 +12,7 @@ import argparse
 import copy
 import json
 import time
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from ...model.fused_head import install_forward
 
 # Llama-3.2-1B's head and width (vocabulary 128256, hidden 2048, tied) on two layers: the head and
 # its loss are what this measures; more layers only add the same backbone to both sides.
-SHAPE = dict(
+SHAPE: dict[str, Any] = dict(
     vocab_size=128256,
     hidden_size=2048,
     intermediate_size=8192,

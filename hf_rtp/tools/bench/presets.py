@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # The issue-5 setup: ~87M parameters, where the targets in the README are measured.
     "llama-90m": dict(
         vocab_size=32000,

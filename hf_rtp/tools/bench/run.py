@@ -337,8 +337,8 @@ def main(argv=None) -> dict:
         "results": rows,
         "failed": failed,
     }
-    with open(os.path.join(args.output, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    with open(os.path.join(args.output, "results.json"), "w") as out:
+        json.dump(result, out, indent=1)
     chart(rows, os.path.join(args.output, "bench.png"), title)
     print(f"\nwrote {os.path.join(args.output, 'results.json')} and {os.path.join(args.output, 'bench.png')}")
     return result

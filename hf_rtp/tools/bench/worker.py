@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def load(
     gradient_checkpointing: bool = False,
     rtp_size: int | None = None,
     autocast: bool = False,
-) -> nn.Module:
+) -> Any:  # a transformers model, or DDP around one
     model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
@@ -46,7 +47,7 @@ def load(
 
 def _load(
     strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None, autocast: bool
-) -> nn.Module:
+) -> Any:  # a transformers model, or DDP around one
     from transformers import AutoModelForCausalLM
 
     if strategy.startswith("rtp"):
@@ -61,7 +62,7 @@ def _load(
         )
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)  # type: ignore[arg-type]  # transformers wraps to()
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp2":
@@ -69,7 +70,7 @@ def _load(
 
         # under autocast, FSDP2's own mixed precision: bf16 all-gathers, float32 reduce-scatters
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if autocast else None
-        kwargs = {"mp_policy": policy} if policy else {}
+        kwargs: dict[str, Any] = {"mp_policy": policy} if policy else {}
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -199,7 +200,7 @@ def _finish() -> None:
         dist.destroy_process_group()
 
 
-def decode(model: nn.Module, args, vocab: int, seed: int, device: torch.device) -> list[dict]:
+def decode(model: Any, args, vocab: int, seed: int, device: torch.device) -> list[dict]:
     """Greedy `generate` of exactly --new-tokens tokens per batch size, after one short warm-up:
     seconds (the slowest rank's) and wall-clock marks, so the parent can cut the phase's peak. For
     rtp-whole, also the seconds hf_rtp.whole_model took to gather the copy it decodes with."""
