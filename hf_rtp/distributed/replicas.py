@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import faults
+from ..private.torch_names import current_graph_task_id, queue_callback, will_engine_execute_node
 from .pending import Pending
 
 _WAITED = "waited for the other replicas' gradients"
@@ -37,7 +38,7 @@ def _accumulator(local: torch.Tensor | None):
 
 def _will_accumulate(acc) -> bool:
     try:
-        return torch._C._will_engine_execute_node(acc)
+        return will_engine_execute_node(acc)
     except RuntimeError:  # torch.autograd.grad(): the engine returns gradients instead of accumulating them
         return False
 
@@ -76,11 +77,11 @@ class ReplicaSum:
         Pending([dist.all_reduce(grad, group=self.group, async_op=True)], _WAITED).wait()
 
     def _task(self) -> dict:
-        task_id = torch._C._current_graph_task_id()
+        task_id = current_graph_task_id()
         task = self._tasks.get(task_id)
         if task is None:
             task = self._tasks[task_id] = {"expected": set(), "works": []}
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(task_id))
+            queue_callback(lambda: self._finish(task_id))
         return task
 
     def _start(self, param: torch.Tensor) -> None:

@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
-from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
 from ..errors import CollectiveMisuseError, RotatedStateError
+from ..private.torch_names import foreach_type_lists, implicit_replication, local_tensor, set_implicit_replication
 from . import rendezvous
 from .sharding import chunk_rows
 
@@ -140,18 +139,18 @@ class RotatedTensor(DTensor):
         # this op's rotated arguments to DTensor for the call (and back) does the same for a third of the cost
         rotated = [t for t in _tensors(args) if type(t) is RotatedTensor]
         rotated += [t for t in _tensors((kwargs or {}).values()) if type(t) is RotatedTensor]
-        allowed = DTensor._op_dispatcher._allow_implicit_replication
+        allowed = implicit_replication()
         try:
             for t in rotated:
                 t.__class__ = DTensor
-            DTensor._op_dispatcher._allow_implicit_replication = True
+            set_implicit_replication(True)
             try:
                 out = func(*args, **(kwargs or {}))
             except RuntimeError as err:  # an op that redistributes communicates on the ring
                 _raise_if_skipped(str(func), err)
                 raise
         finally:
-            DTensor._op_dispatcher._allow_implicit_replication = allowed
+            set_implicit_replication(allowed)
             for t in rotated:
                 t.__class__ = RotatedTensor
         if isinstance(out, DTensor):
@@ -210,7 +209,7 @@ def rows_of(tensor: DTensor, indices: list[int]) -> torch.Tensor:
     rank. Each rank fills the rows it holds and zeros elsewhere; one sum over the ring (exact: one term is
     nonzero) puts every row everywhere, without gathering the rest of the tensor."""
     with torch.no_grad(), _named_if_skipped("reading rows of a rotated tensor"):
-        mesh, chunk = tensor.device_mesh, tensor._local_tensor
+        mesh, chunk = tensor.device_mesh, local_tensor(tensor)
         start, _ = chunk_rows(tensor.shape[0], mesh.size(), mesh.get_local_rank())
         out = chunk.new_zeros((len(indices), *tensor.shape[1:]))
         for j, i in enumerate(indices):
@@ -281,7 +280,7 @@ class _LocalChunk(torch.autograd.Function):
             param.shape,
             param.stride(),
         )
-        chunk = param._local_tensor
+        chunk = local_tensor(param)
         return chunk.view_as(chunk)  # a fresh tensor object: autograd writes its metadata into it
 
     @staticmethod
@@ -299,7 +298,7 @@ def local_chunk(param: RotatedTensor) -> torch.Tensor:
 
 # Foreach kernels (clip_grad_norm_, optimizers) take a tensor class only if it is listed, as torch lists
 # DTensor itself (torch/distributed/tensor/__init__.py). Listing this subclass changes nothing for any other.
-for _supported in (_optim_foreach_types, _util_foreach_types):
+for _supported in foreach_type_lists:
     if RotatedTensor not in _supported:
         _supported.append(RotatedTensor)
 

@@ -25,6 +25,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, TopologyError
 from ..model.state import rotated_module, state_of
+from ..private.accelerate_names import prepared, set_prepared, state_exists
 from ..settings import collective_timeout
 
 STATE_DIR = "hf_rtp_state_{}"
@@ -48,7 +49,7 @@ def check_accelerate_state(world_size: int) -> None:
     """from_pretrained after an Accelerator was built: its state must see every rank."""
     from accelerate.state import PartialState
 
-    if world_size > 1 and PartialState._shared_state:
+    if world_size > 1 and state_exists():
         check_processes(PartialState().num_processes, world_size)
 
 
@@ -100,11 +101,12 @@ class Accelerator(accelerate.Accelerator):
     def _rotated_pairs(self) -> list[tuple]:
         """(unwrapped model, its AcceleratedOptimizer) for every prepared rotated model, in preparation order."""
         pairs = []
-        for model in self._models:
+        models, optimizers = prepared(self)
+        for model in models:
             if rotated_module(model) is None:
                 continue
             params = {id(p) for p in model.parameters()}
-            owners = [o for o in self._optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
+            owners = [o for o in optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
             if len(owners) != 1:
                 raise IntegrationError(
                     f"save_state/load_state need exactly one prepared optimizer per rotated model, found {len(owners)}"
@@ -115,15 +117,14 @@ class Accelerator(accelerate.Accelerator):
     @contextmanager
     def _without(self, pairs):
         """Hide rotated models and their optimizers from accelerate's main-process save and load."""
-        models, optimizers = self._models, self._optimizers
+        models, optimizers = prepared(self)
         inner = {id(o) for _, o in pairs}
         rotated = [m for m in models if rotated_module(m) is not None]
-        self._models = [m for m in models if m not in rotated]
-        self._optimizers = [o for o in optimizers if id(o) not in inner]
+        set_prepared(self, [m for m in models if m not in rotated], [o for o in optimizers if id(o) not in inner])
         try:
             yield
         finally:
-            self._models, self._optimizers = models, optimizers
+            set_prepared(self, models, optimizers)
 
     def _latest_checkpoint(self) -> str:
         """The folder accelerate's load_state picks when given none (automatic checkpoint naming)."""

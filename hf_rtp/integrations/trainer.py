@@ -28,6 +28,7 @@ import os
 import sys
 import types
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..checkpoint.load import load_into
@@ -35,12 +36,12 @@ from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError
 from ..log import warning
 from ..model.state import rotated_module, state_of
+from ..private.transformers_names import TESTED
 from . import trl
 from .accelerate import check_processes
 from .peft import adapter_state_dict
 
 STATE_DIR = "hf_rtp_state"
-TESTED = ((5, 0), (5, 24))  # transformers versions whose Trainer these replacements were checked against
 # The Trainer methods hf_rtp replaces, with the parameters they have in the tested versions
 _REPLACED = {
     "save_model": ["self", "output_dir", "_internal_call"],
@@ -94,8 +95,8 @@ def _check_versions(cls) -> None:
     import transformers
 
     problems = []
-    if not TESTED[0] <= Version(transformers.__version__).release[:2] < TESTED[1]:
-        problems.append(f"transformers {transformers.__version__} is outside the tested versions (>=5.0, <5.24)")
+    if Version(transformers.__version__) not in SpecifierSet(TESTED):
+        problems.append(f"transformers {transformers.__version__} is outside the tested versions ({TESTED})")
     for name, expected in _REPLACED.items():
         found = list(inspect.signature(getattr(cls, name)).parameters) if hasattr(cls, name) else None
         if found != expected:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
+from ..private.torch_names import assert_async
 from .common import finish_weight_grads, local, source_text
 
 
@@ -83,7 +84,7 @@ class RotatedEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Vanilla fails on such ids; here they would silently embed to zeros. Async: no GPU sync.
-        torch._assert_async(
+        assert_async(
             ((ids >= 0) & (ids < self.num_embeddings)).all(),
             f"token ids must lie in [0, {self.num_embeddings}): check the tokenizer matches the model",
         )

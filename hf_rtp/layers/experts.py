@@ -18,6 +18,7 @@ from torch import nn
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
+from ..private.transformers_names import experts_gate
 from .common import add_matmul, autocast_dtype, finish_weight_grads, local
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
@@ -157,7 +158,7 @@ class RotatedExperts(nn.Module):
         self.hidden_dim = down_proj.shape[2] if self.is_transposed else down_proj.shape[1]
         self.intermediate_dim = down_proj.shape[1] if self.is_transposed else down_proj.shape[2]
         # the class's own gate (a bound method, not a submodule): act(gate) * up, or gpt-oss's GLU
-        self.apply_gate = source._apply_gate
+        self.apply_gate = experts_gate(source)
         given = dict(
             gate_up_proj=gate_up_proj,
             down_proj=down_proj,

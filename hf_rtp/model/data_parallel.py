@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from ..private.torch_names import DDP_IGNORE_ATTRIBUTE, flatten_dense_tensors, unflatten_dense_tensors
 from .state import state_of
 
 
@@ -32,7 +32,7 @@ def ignore_rotated_in_ddp(module: nn.Module) -> None:
 
     from_pretrained does this for the model it returns, so a PEFT model around it needs no call either.
     """
-    module._ddp_params_and_buffers_to_ignore = _RotatedNames(module)  # type: ignore[assignment]  # DDP's own attribute
+    setattr(module, DDP_IGNORE_ATTRIBUTE, _RotatedNames(module))
 
 
 def sync_grads(model: nn.Module) -> None:
@@ -51,8 +51,8 @@ def sync_grads(model: nn.Module) -> None:
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
+        flat = flatten_dense_tensors(group)
         dist.all_reduce(flat, group=topology.group)
         flat.div_(topology.world_size)
-        for g, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+        for g, synced in zip(group, unflatten_dense_tensors(flat, group), strict=True):
             g.copy_(synced)

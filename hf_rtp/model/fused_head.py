@@ -30,6 +30,8 @@ from .. import log
 from ..layers import RotatedLinear
 from ..layers.common import cast_for_matmul, local
 from ..layers.fused_loss import HeadTransform, fused_cross_entropy, fused_token_stats
+from ..private.torch_names import assert_async
+from ..private.transformers_names import own_loss_function
 
 # The transforms vanilla applies between the head and the loss, by their exact code (`logits` stands
 # for whatever the forward calls its logits): field of HeadTransform -> attribute read on the model.
@@ -73,7 +75,7 @@ def read_head(model: PreTrainedModel) -> tuple[list[tuple[str, str]], str | None
     attribute = next((n for n, m in model.named_children() if m is head), None)
     if not isinstance(head, RotatedLinear) or attribute is None:
         return [], "its LM head is not a rotated linear layer of the model itself"
-    own = model.__dict__.get("_loss_function")  # set on this model: by hf_rtp (accepted) or by its user
+    own = own_loss_function(model)  # set on this model: by hf_rtp (accepted) or by its user
     if not (getattr(own, "hf_rtp_fused", False) or (own is None and model.loss_function is ForCausalLMLoss)):
         return [], "its loss is not transformers' ForCausalLMLoss"
     try:
@@ -146,7 +148,7 @@ def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-1
     `transforms` (from `read_head`); with `stats`, also (entropy, is_top1) as `fused_token_stats`."""
     head = model.get_output_embeddings()
     transform = HeadTransform(**{field: operator.attrgetter(path)(model) for field, path in transforms})
-    torch._assert_async(
+    assert_async(
         ((targets >= 0) & (targets < vocab_size)).all(), f"labels must be {ignore_index} or lie in [0, {vocab_size})"
     )
     fn = fused_token_stats if stats else fused_cross_entropy
@@ -201,7 +203,7 @@ def install_forward(model: PreTrainedModel, fused: bool) -> bool:
         assert head_name is not None  # read_head found the head among the model's children
         head = getattr(self, head_name)
         # replaced since loading: a PEFT adapter on the head, a user's own loss_function
-        if not isinstance(head, RotatedLinear) or self.__dict__.get("_loss_function") is not loss_function:
+        if not isinstance(head, RotatedLinear) or own_loss_function(self) is not loss_function:
             return plain(self, *args, **kwargs)
         capture.active = True
         head.forward = capture.hold  # type: ignore[method-assign,assignment]  # this forward only; deleted below

@@ -22,6 +22,7 @@ from transformers import (
 
 from .. import log
 from ..errors import UnsupportedModelError
+from ..private.transformers_names import init_weights
 
 # the auto classes hf_rtp loads
 SUPPORTED = (
@@ -98,7 +99,7 @@ def initialise_head(
         setattr(model.get_submodule(owner), leaf, nn.Parameter(torch.empty(meta.shape, dtype=dtype)))
     with torch.no_grad():
         for owner in sorted(owners):
-            model._init_weights(model.get_submodule(owner))
+            init_weights(model, model.get_submodule(owner))
         for name in names:
             param = model.get_parameter(name)
             if control is not None:

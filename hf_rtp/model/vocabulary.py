@@ -23,6 +23,7 @@ from ..distributed.rotated import RotatedTensor
 from ..distributed.sharding import ChunkLayout, chunk_rows
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local
+from ..private.transformers_names import resized_embeddings, resized_lm_head
 from .install import rotated_parameter
 from .state import ATTRIBUTE
 
@@ -128,7 +129,7 @@ def _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multip
     """transformers' own resize on plain modules holding the whole tensors; what it leaves in them."""
     weight = whole["embedding"]
     plain = nn.Embedding(weight.shape[0], weight.shape[1], padding_idx=embedding.padding_idx, _weight=weight)
-    plain = model._get_resized_embeddings(plain, new_num_tokens, pad_to_multiple_of, mean_resizing)
+    plain = resized_embeddings(model, plain, new_num_tokens, pad_to_multiple_of, mean_resizing)
     out = {"embedding": plain.weight.data}
     if "head" in whole:
         with torch.device("meta"):  # a Linear's constructor draws its init: vanilla's head draws nothing here
@@ -136,7 +137,7 @@ def _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multip
         head.weight = nn.Parameter(whole["head"])
         if "head_bias" in whole:
             head.bias = nn.Parameter(whole["head_bias"])
-        head = model._get_resized_lm_head(head, plain.weight.shape[0], mean_resizing=mean_resizing)
+        head = resized_lm_head(model, head, plain.weight.shape[0], mean_resizing=mean_resizing)
         out["head"] = head.weight.data
         if head.bias is not None:
             out["head_bias"] = head.bias.data

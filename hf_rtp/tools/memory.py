@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..layers.fused_loss import BLOCK_BYTES  # the CPU tile: the estimate is set against the CPU bench
+from ..private.transformers_names import attention_implementation, no_split_modules, set_attention_implementation
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 RUNTIME_BYTES = 35e6  # allocator slack, autograd graph, index tensors: measured beside the tensors on CPU
@@ -112,10 +113,10 @@ def saved_activation_bytes(
         return t
 
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    attention = model.config._attn_implementation
+    attention = attention_implementation(model.config)
     if attention != "eager":
         AttentionInterface.register("hf_rtp_fused_estimate", _fused_attention)
-        model.config._attn_implementation = "hf_rtp_fused_estimate"
+        set_attention_implementation(model.config, "hf_rtp_fused_estimate")
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -128,7 +129,7 @@ def saved_activation_bytes(
             else:
                 model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
     finally:
-        model.config._attn_implementation = attention
+        set_attention_implementation(model.config, attention)
         if gradient_checkpointing:
             model.activation_checkpointing_disable()
     return sum(saved.values())
@@ -137,7 +138,7 @@ def saved_activation_bytes(
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The modules transformers itself never splits across devices (LlamaDecoderLayer, GPT2Block, ...):
     FSDP2's units in the bench, and the unsharded layer in its estimate."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = set(no_split_modules(model))
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
@@ -315,7 +316,7 @@ def main(argv=None) -> dict[str, float]:
         raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
     config = load_config(args.model)
     if args.attn_implementation:
-        config._attn_implementation = args.attn_implementation
+        set_attention_implementation(config, args.attn_implementation)
     result = estimate(
         config,
         args.world_size,

@@ -2,28 +2,38 @@
 
 Every import statement counts, function-local ones included: an import hidden in a function is a cycle
 all the same, it only fails later. The checker is tried on a small package built here, so that a
-checker that finds nothing cannot pass unnoticed.
+checker that finds nothing cannot pass unnoticed. The layers are read from DESIGN.md's table, the one
+place the layout is written down, and the table must name every module of the tree.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hf_rtp
 
+PACKAGE = Path(hf_rtp.__file__).parent
+DESIGN = PACKAGE.parent / "DESIGN.md"
+
+
+def design_rows(text: str) -> list[tuple[str, tuple[str, ...], set[str]]]:
+    """DESIGN.md's layer table, lowest first: (layer name, its files and folders as module prefixes, the
+    names its second column spells in backticks). `__init__.py` is the prefix "" (the public names)."""
+    table = text[text.index("| layer | what it holds | may import |") :].split("\n\n")[0].splitlines()[2:]
+    rows = []
+    for line in table:
+        where, what, _ = (cell.strip() for cell in line.strip("|").split("|"))
+        paths = re.findall(r"`([^`]+)`", where)
+        prefixes = tuple("" if p == "__init__.py" else p.removesuffix(".py").removesuffix("/") for p in paths)
+        name = "base" if where.startswith("base:") else prefixes[0]
+        rows.append((name, prefixes, {n.removesuffix("/") for n in re.findall(r"`([^`]+)`", what)}))
+    return rows
+
+
 # Lowest first: a module may import its own layer and the ones before it.
-LAYERS = [
-    ("base", ("errors", "log", "faults", "version", "settings")),
-    ("distributed", ("distributed",)),
-    ("layers", ("layers",)),
-    ("plans", ("plans",)),
-    ("model", ("model",)),
-    ("checkpoint", ("checkpoint",)),
-    ("integrations", ("integrations",)),
-    ("api", ("api", "")),  # "" is the package's __init__: the public names
-    ("tools", ("tools", "__main__")),  # the CLI and benches: nothing in the package imports them
-]
+LAYERS = [(name, prefixes) for name, prefixes, _ in design_rows(DESIGN.read_text())]
 # distributed/ is plain torch.distributed: it must run (and be read) without transformers or its ecosystem
 NOT_IN_DISTRIBUTED = ("transformers", "accelerate", "peft", "trl", "huggingface_hub", "safetensors")
 
@@ -134,7 +144,25 @@ def problems(root: Path) -> list[str]:
 
 
 def test_hf_rtp_imports_only_downward_and_has_no_cycle():
-    assert problems(Path(hf_rtp.__file__).parent) == []
+    assert problems(PACKAGE) == []
+
+
+def test_design_md_names_every_module_of_the_tree():
+    """Each folder's modules and subfolders are named in its row; every file a row names exists."""
+    missing = []
+    for name, prefixes, named in design_rows(DESIGN.read_text()):
+        for prefix in prefixes:
+            path = PACKAGE / prefix
+            if prefix and path.is_dir():
+                found = {p.stem for p in path.glob("*.py") if p.stem != "__init__"}
+                found |= {p.name for p in path.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+                missing += [f"{prefix}/{m} (layer {name})" for m in sorted(found - named)]
+            elif not (PACKAGE / f"{prefix or '__init__'}.py").exists():
+                missing.append(f"{prefix}.py is in DESIGN.md but not in the tree")
+    assert missing == []
+    assert [name for name, _ in LAYERS] == [
+        "base", "distributed", "layers", "plans", "model", "checkpoint", "integrations", "api", "tools"
+    ]  # fmt: skip
 
 
 def test_the_checker_finds_a_hidden_cycle_an_upward_import_and_transformers_in_distributed(tmp_path):

@@ -1,0 +1,54 @@
+"""torch's private names hf_rtp uses (DESIGN.md, "Private names"), looked up once when hf_rtp is imported."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .gate import lookup
+
+TESTED = ">=2.6,<2.14"  # pyproject.toml's bounds
+
+
+def _get(root: Any, path: str) -> Any:
+    return lookup(root, path, "torch", torch.__version__, TESTED)
+
+
+# DTensor's op dispatcher: its `_allow_implicit_replication` flag is toggled around ops on rotated
+# tensors only (distributed/rotated.py)
+_op_dispatcher = _get(DTensor, "_op_dispatcher")
+_get(_op_dispatcher, "_allow_implicit_replication")
+
+
+def implicit_replication() -> bool:
+    return _op_dispatcher._allow_implicit_replication
+
+
+def set_implicit_replication(allowed: bool) -> None:
+    _op_dispatcher._allow_implicit_replication = allowed
+
+
+# the tensor classes foreach kernels accept (clip_grad_norm_, optimizers); torch lists DTensor there itself
+foreach_type_lists = (
+    _get(importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types"),
+    _get(importlib.import_module("torch.utils._foreach_utils"), "_foreach_supported_types"),
+)
+# autograd's engine, for the replica sum after `.grad` accumulates (distributed/replicas.py)
+will_engine_execute_node = _get(torch._C, "_will_engine_execute_node")
+current_graph_task_id = _get(torch._C, "_current_graph_task_id")
+queue_callback = _get(torch.autograd.Variable, "_execution_engine.queue_callback")
+# DDP's bucketing helpers, for sync_grads' one all-reduce per dtype (model/data_parallel.py)
+flatten_dense_tensors = _get(torch._utils, "_flatten_dense_tensors")
+unflatten_dense_tensors = _get(torch._utils, "_unflatten_dense_tensors")
+# a device-side check without a host sync (layers/embedding.py, model/fused_head.py)
+assert_async = _get(torch, "_assert_async")
+# the attribute DDP reads for the names it must leave alone (model/data_parallel.py)
+DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
+
+
+def local_tensor(tensor: DTensor) -> torch.Tensor:
+    """A DTensor's local shard without autograd's to_local() node (DTensor's own field)."""
+    return tensor._local_tensor
