@@ -8,6 +8,7 @@ from .api import (
     from_pretrained,
 )
 from .checkpoint.resume import load_training_state, save_training_state
+from .distributed.rotated import local_rows
 from .errors import (
     CheckpointError,
     CollectiveMisuseError,
@@ -24,6 +25,7 @@ from .integrations.trainer import attach_trainer
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
 from .model.state import is_rotated, state_of
 from .model.whole import whole_model
+from .settings import collective_timeout
 from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
 __all__ = [
@@ -42,10 +44,12 @@ __all__ = [
     "UnsupportedModelError",
     "adapter_state_dict",
     "attach_trainer",
+    "collective_timeout",
     "from_pretrained",
     "ignore_rotated_in_ddp",
     "is_rotated",
     "load_training_state",
+    "local_rows",
     "save_training_state",
     "state_of",
     "sync_grads",

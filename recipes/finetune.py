@@ -32,7 +32,6 @@ from defaults import make_default
 from packing import GlobalOrder, load_texts, pack, split_eval
 
 import hf_rtp
-from hf_rtp.checkpoint.resume import load_training_state, save_training_state
 
 
 def parse_args(argv=None):
@@ -111,7 +110,7 @@ def main(argv=None):
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
     step, samples_seen = 0, 0
     if args.resume_from:
-        state = load_training_state(args.resume_from, trained, optimizer, scheduler)
+        state = hf_rtp.load_training_state(args.resume_from, trained, optimizer, scheduler)
         step, samples_seen = state["step"], state["samples_seen"]
         log0(
             accelerator,
@@ -159,7 +158,7 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}")
         if args.save_every and step % args.save_every == 0:
-            save_training_state(
+            hf_rtp.save_training_state(
                 os.path.join(args.output_dir, f"checkpoint-{step}"),
                 trained,
                 optimizer,
@@ -186,11 +185,24 @@ def finish(args, accelerator, model, trained, tokenizer):
         tokenizer.save_pretrained(final)
         log0(accelerator, f"saved {'LoRA adapters' if args.lora else 'the model'} to {final}")
     if args.push_to_hub and accelerator.is_main_process:
-        from hf_rtp.checkpoint.save import upload_folder
-
-        log0(accelerator, f"pushing to {args.push_to_hub}: {', '.join(sorted(os.listdir(final)))}")
-        upload_folder(final, args.push_to_hub, commit_message="hf_rtp finetune")
+        push(final, args.push_to_hub, accelerator)
     accelerator.wait_for_everyone()
+
+
+def push(final: str, repo_id: str, accelerator) -> None:
+    """Upload the finished folder, as any transformers user would, with huggingface_hub's own client."""
+    from huggingface_hub import HfApi
+
+    log0(accelerator, f"pushing to {repo_id}: {', '.join(sorted(os.listdir(final)))}")
+    api = HfApi()
+    try:
+        repo = api.create_repo(repo_id, exist_ok=True).repo_id
+        api.upload_folder(repo_id=repo, folder_path=final, commit_message="hf_rtp finetune")
+    except Exception as err:
+        raise SystemExit(
+            f"could not push {final} to the Hub as {repo_id} ({type(err).__name__}: {err}); the checkpoint itself "
+            "is complete: upload it later with `hf upload`"
+        ) from err
 
 
 @torch.no_grad()

@@ -28,7 +28,6 @@ from defaults import make_default
 from packing import load_texts, pack
 
 import hf_rtp
-from hf_rtp.settings import collective_timeout
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -79,7 +78,7 @@ def main(argv=None):
         ddp_find_unused_parameters=False,
         disable_tqdm=False,
         # Trainer's own waits (barriers, DDP) use this; the default 30 minutes would outlast hf_rtp's
-        ddp_timeout=int(collective_timeout().total_seconds()),
+        ddp_timeout=int(hf_rtp.collective_timeout().total_seconds()),
     )
     with training_args.main_process_first():
         if args.model is None or args.dataset is None:

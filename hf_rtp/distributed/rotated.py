@@ -204,6 +204,15 @@ def whole(tensor: DTensor) -> torch.Tensor:
         return DTensor.full_tensor(tensor.detach())
 
 
+def local_rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, end) of a rotated parameter this rank holds, in the global tensor (the same rows on
+    disk, in memory and in the ring: I2). A tensor that is not rotated is held whole."""
+    if not isinstance(tensor, DTensor):
+        return 0, tensor.shape[0]
+    mesh = tensor.device_mesh
+    return chunk_rows(tensor.shape[0], mesh.size(), mesh.get_local_rank())
+
+
 def rows_of(tensor: DTensor, indices: list[int]) -> torch.Tensor:
     """Collective over the ring, without autograd: rows `indices` of a Shard(0) rotated tensor, whole on every
     rank. Each rank fills the rows it holds and zeros elsewhere; one sum over the ring (exact: one term is
