@@ -33,7 +33,13 @@ def _launch(node: int, port: int, cache: str, out: str) -> subprocess.Popen:
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": cache, "HF_RTP_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
     )
 
 

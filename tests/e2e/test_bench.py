@@ -32,7 +32,7 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
         str(out),
     ]
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the preset checkpoint is made under TMPDIR
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
     result = json.loads((out / "results.json").read_text())
@@ -110,7 +110,9 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
         "--output",
         str(out),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, errors="replace", env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["strategy"]: r for r in json.loads((out / "budget.json").read_text())["budget"]}
     for strategy, r in rows.items():
@@ -147,7 +149,9 @@ def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(t
         "--output",
         str(out),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, errors="replace", env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert result["settings"]["autocast"] and "bf16 autocast" in done.stdout
@@ -177,7 +181,9 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
         "--output",
         str(out),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, errors="replace", env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((out / "generate.json").read_text())["decode"]
     expected = [(s, b) for s in ("ddp", "rtp", "rtp-whole", "tp") for b in (1, 3)]

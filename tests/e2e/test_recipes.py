@@ -31,7 +31,7 @@ def torchrun(n):
 
 
 def run(cmd, ok=True):
-    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, errors="replace", timeout=300)
     if ok:
         assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done
@@ -159,6 +159,7 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",
             start_new_session=True,
         )
         for node in (0, 1)
@@ -272,7 +273,7 @@ def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
         "0",
         *_same_data(default_run),
     ]
-    job = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(os.path.join(out, "checkpoint-2", "training_state.json")):

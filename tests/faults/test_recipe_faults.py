@@ -47,8 +47,10 @@ def _torchrun(out, *extra, fault=None, cause=None):
         *extra,
     ]
     start = time.monotonic()
-    with tempfile.TemporaryFile("w+") as err:
-        job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+    with tempfile.TemporaryFile("w+", errors="replace") as err:  # two ranks interleave bytes on stderr
+        job = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True, errors="replace", start_new_session=True
+        )
         try:
             while job.poll() is None and time.monotonic() - start < 240:
                 err.seek(0)

@@ -66,6 +66,7 @@ def test_a_second_save_into_a_folder_being_saved_fails_and_destroys_nothing(tmp_
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        errors="replace",
     )
     processes.append(first)
     _wait_until_stopped(first)  # it holds the folder's lock, its files staged
@@ -152,6 +153,7 @@ def test_a_second_training_state_save_into_one_folder_fails_and_destroys_nothing
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        errors="replace",
     )
     processes.append(first)
     _wait_until_stopped(first)  # its files written into state.partial, the lock held
