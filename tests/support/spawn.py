@@ -23,7 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, inherited, env, results):
+def _worker(rank, world_size, port, fn, args, inherited, env, results, preloaded):
+    at_import = import_time_environment(os.environ)  # the fork server's, from its start
     os.environ.clear()  # the fork server's environment is from its own start: take the test's as of now
     os.environ.update(inherited)
     os.environ.update(
@@ -42,6 +43,15 @@ def _worker(rank, world_size, port, fn, args, inherited, env, results):
 
     torch.set_num_threads(1)
     try:
+        if preloaded:
+            if import_time_environment(os.environ) != at_import:
+                raise RuntimeError(
+                    "this test sets variables that transformers or huggingface_hub read at import, which the "
+                    f"preloaded fork server read as {at_import}: call run_on_ranks(..., fresh=True)"
+                )
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.set_verbosity(transformers_logging.log_levels[os.environ["TRANSFORMERS_VERBOSITY"]])
         results.put((rank, True, fn(*args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -60,38 +70,69 @@ def run_on_ranks(
     timeout: float = 300,
     attempts: int = 3,
     survivors: tuple[int, ...] | None = None,
+    fresh: bool = False,
 ):
     """fn(*args) on `world_size` processes; returns the per-rank results in rank order.
 
     With `survivors`, only those ranks are waited for (the others were killed or stopped on purpose
-    by a fault injected through HF_RTP_FAULT) and the rest are killed once they have reported.
+    by a fault injected through HF_RTP_FAULT) and the rest are killed once they have reported. With
+    `fresh`, each rank is a new interpreter that imports everything itself (see PRELOAD).
     """
     for attempt in range(attempts):
         try:
-            return _run_once(fn, world_size, args, env or {}, timeout, survivors)
+            return _run_once(fn, world_size, args, env or {}, timeout, survivors, fresh)
         except RuntimeError as err:
             if "address already in use" not in str(err).lower() or attempt == attempts - 1:
                 raise
 
 
-def _context():
-    """A fork server that has imported torch once: each rank then starts as a fork of it rather than a
-    fresh interpreter importing torch again (a few seconds per rank on CI's two cores). Only torch is
-    preloaded: transformers and huggingface_hub read HF_HOME and the like at import, which tests set
-    per run, so every rank still imports those itself under the environment `_worker` gives it."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
+# What every rank imports anyway, imported once by the fork server: a rank then starts as a fork of it
+# instead of importing transformers afresh (about 3 s of CPU per rank on CI's two cores, most of a
+# short test). Each rank is still a fresh fork, so nothing one test does reaches the next.
+PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen2.modeling_qwen2",
+    "accelerate",
+    "safetensors.torch",
+    "huggingface_hub",
+    "hf_rtp",
+]
+
+
+def import_time_environment(environ) -> dict[str, str]:
+    """The variables huggingface_hub, transformers and datasets read when imported (caches, offline mode,
+    endpoints, tokens): a preloaded rank has them as the fork server had them. hf_rtp's own (HF_RTP_*) are
+    read at each call, and the verbosity is set again in each rank."""
+    prefixes = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+    return {
+        k: v
+        for k, v in environ.items()
+        if k.startswith(prefixes) and not k.startswith("HF_RTP_") and k != "TRANSFORMERS_VERBOSITY"
+    }
+
+
+def _context(fresh: bool):
+    """The fork server above (preloaded), or with `fresh` one that preloads only torch: a rank then imports
+    transformers itself, under whatever environment the test gives it."""
+    ctx = mp.get_context("forkserver" if not fresh else "spawn")
+    if not fresh:
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def _run_once(fn, world_size, args, env, timeout, survivors=None):
+def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False):
     wanted = tuple(range(world_size)) if survivors is None else survivors
-    ctx = _context()
+    ctx = _context(fresh)
     results = ctx.Queue()
     port = free_port()
     inherited = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, inherited, env, results))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, inherited, env, results, not fresh))
         for r in range(world_size)
     ]
     for p in procs:
