@@ -1,7 +1,7 @@
 """A plain transformers copy of a rotated model with every weight whole: for a generation phase.
 
 Decoding walks every rotated weight around the ring once per new token, whatever the batch, so at
-small batches it runs far below a whole model's speed (README, "Decoding"). When the whole model fits
+small batches it runs far below a whole model's speed (docs/benchmarks.md, "Decoding"). When the whole model fits
 beside the rotated one, a phase that mostly decodes can run on this copy instead, at data-parallel
 speed and with no communication per token, then drop it. Each rank builds its own copy; weights are
 gathered one tensor at a time, so the peak is the copy plus one tensor in the source's dtype.

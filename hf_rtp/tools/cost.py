@@ -1,6 +1,6 @@
-"""What each strategy sends per training step and holds per GPU across nodes: the README's cost model.
+"""What each strategy sends per training step and holds per GPU across nodes: the cost model of docs/multi-node.md.
 
-    python -m hf_rtp.tools.cost      # the README's table: Llama-3-8B and 70B on nodes of 8 GPUs
+    python -m hf_rtp.tools.cost      # docs/multi-node.md's table: Llama-3-8B and 70B on nodes of 8 GPUs
 
 Mixed precision as people train (Trainer(bf16=True): float32 master weights, bf16 autocast): weights
 travel in bf16 (S bytes, 2 per parameter), gradients in float32 (G = 2S, hf_rtp's and FSDP2's

@@ -177,7 +177,7 @@ def _count_bytes(ckpt):
 
 
 def test_bytes_on_the_ring_and_across_replicas_are_what_the_cost_model_counts(tmp_path):
-    """hf_rtp/tools/cost.py (the README's table) models a ring of K as sending, per step, every chunk K-1 hops
+    """hf_rtp/tools/cost.py (docs/multi-node.md's table) models a ring of K as sending, per step, every chunk K-1 hops
     forward and K-1 hops backward and the other ranks' gradient for it K-1 hops home, and each replica
     all-reducing its chunk of the gradient. The embedding is the exception: backward sends its
     gradient only."""

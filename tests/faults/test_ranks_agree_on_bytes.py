@@ -1,6 +1,6 @@
 """Ranks prove they read the bytes of one checkpoint, not a sample of them: copies that differ in a
 few KB (a norm every rank reads, or four rows of the head that only rank 1 reads) fail on every rank
-before training; what each proof does not catch is shown too, as the README states it."""
+before training; what each proof does not catch is shown too, as docs/reliability.md states it."""
 
 import hashlib
 import os
@@ -126,7 +126,7 @@ def test_the_hubs_hash_proves_equal_blobs_and_full_verification_catches_a_damage
     for equal, damaged_norm, damaged_rows, full in run_on_ranks(_load_from_caches, 2, runs):  # per rank
         assert equal is None
         assert "rank 1 read other weight bytes than rank 0 for model.norm.weight" in damaged_norm
-        # what "auto" does not catch (README): a damaged cached blob still bears the Hub's name for it,
+        # what "auto" does not catch (docs/reliability.md): a damaged cached blob still bears the Hub's name for it,
         # and rows only one rank reads are compared with nothing
         assert damaged_rows is None
         assert "does not match the SHA-256 the Hub recorded for it" in full

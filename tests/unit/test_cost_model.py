@@ -1,4 +1,4 @@
-"""hf_rtp/tools/cost.py, the README's multi-node table: the formulas say what its docstring says.
+"""hf_rtp/tools/cost.py, the multi-node table of docs/multi-node.md: the formulas say what its docstring says.
 (test_two_dimensional.py checks the ring's real bytes against the same counting.)"""
 
 import pytest

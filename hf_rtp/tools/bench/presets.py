@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The issue-5 setup: ~87M parameters, where the targets in the README are measured.
+    # The issue-5 setup: ~87M parameters, where docs/benchmarks.md measures the targets.
     "llama-90m": dict(
         vocab_size=32000,
         hidden_size=768,
