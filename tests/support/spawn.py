@@ -44,10 +44,12 @@ def _worker(rank, world_size, port, fn, args, inherited, env, results, preloaded
     torch.set_num_threads(1)
     try:
         if preloaded:
-            if import_time_environment(os.environ) != at_import:
+            now = import_time_environment(os.environ)
+            changed = sorted(k for k in {*now, *at_import} if now.get(k) != at_import.get(k))
+            if changed:
                 raise RuntimeError(
-                    "this test sets variables that transformers or huggingface_hub read at import, which the "
-                    f"preloaded fork server read as {at_import}: call run_on_ranks(..., fresh=True)"
+                    f"this test sets {', '.join(changed)}, which transformers or huggingface_hub read at import "
+                    "and the preloaded fork server read otherwise: call run_on_ranks(..., fresh=True)"
                 )
             from transformers.utils import logging as transformers_logging
 
