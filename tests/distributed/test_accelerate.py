@@ -142,5 +142,5 @@ def test_plain_accelerate_refuses_to_write_one_ranks_rows(tmp_path):
     assert not os.path.exists(tmp_path / "state" / "True" / "model.safetensors")
     partial = tmp_path / "state" / "False" / "pytorch_model.bin"  # torch.save had opened it: it cannot load
     if partial.exists():
-        with pytest.raises(RuntimeError, match=r"zip archive|central directory"):
+        with pytest.raises(RuntimeError, match="PytorchStreamReader failed"):  # torch.save stopped midway
             torch.load(partial, weights_only=True)

@@ -23,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, inherited, env, results, preloaded):
+def _worker(rank, world_size, port, fn, args, inherited, env, results, preloaded=False):
     at_import = import_time_environment(os.environ)  # the fork server's, from its start
     os.environ.clear()  # the fork server's environment is from its own start: take the test's as of now
     os.environ.update(inherited)
