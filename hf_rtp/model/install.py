@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -11,7 +11,6 @@ from torch.distributed.tensor import DTensor, Shard
 from ..distributed.rotated import make_rotated
 from ..distributed.topology import Topology
 from ..layers import LAYERS
-from ..layers.common import local
 from ..plans import Resolution
 from .ties import tie_targets
 
@@ -46,7 +45,7 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
             rotated = LAYERS[kind].rotated(original, ring=topology.ring, **leaves)
             model.set_submodule(module_name, rotated)
             first = params[f"{module_name}.{LAYERS[kind].rotated_leaves[0]}"]
-            topology.ring.plan(rotated.layout, local(first))
+            topology.ring.plan(rotated.layout, cast(DTensor, first).to_local())
 
     for module in model.modules():
         for key, buffer in module._buffers.items():
