@@ -37,6 +37,8 @@ def _full_tensor_is_data_parallel(ckpt):
     reference = load_file(os.path.join(ckpt, "model.safetensors"))["lm_head.weight"].double().requires_grad_()
     torch.stack([(x @ reference.T).square().mean() for x in xs]).mean().backward()  # DDP's objective
     start, end = chunk_rows(head.shape[0], world, rank)
+    assert hf_rtp.local_rows(head) == (start, end)  # the public name for the rows this rank holds (I2)
+    assert hf_rtp.local_rows(model.model.norm.weight) == (0, head.shape[1])  # a replicated one: all of it
     torch.testing.assert_close(head.grad.to_local(), reference.grad[start:end], atol=1e-12, rtol=1e-12)
 
     with pytest.raises(hf_rtp.RotatedStateError, match=r"redistribute.*full_tensor"):
