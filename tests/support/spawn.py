@@ -102,6 +102,10 @@ PRELOAD = [
     "accelerate",
     "safetensors.torch",
     "huggingface_hub",
+    "datasets",  # Trainer, TRL and the recipes' data: about a second per rank that uses them
+    "transformers.trainer",
+    "peft",
+    "trl",
     "hf_rtp",
 ]
 
