@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -10,6 +11,7 @@ from packaging.version import Version
 from ..errors import IntegrationError
 
 
+@functools.cache  # lookups run on hot paths (each fused forward): parse the versions once per name
 def check_version(library: str, installed: str, tested: str, name: str) -> None:
     """IntegrationError naming `name` when `installed` lies outside the `tested` specifier."""
     if Version(installed) not in SpecifierSet(tested):
