@@ -21,7 +21,8 @@ from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
-from .checkpoint.save import push, save_pretrained
+from .checkpoint.push import push_to_hub
+from .checkpoint.save import save_pretrained
 from .distributed.agreement import agreed
 from .distributed.rotated import COMPILE_REFUSED, keep_rotated
 from .distributed.topology import setup
@@ -223,7 +224,7 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     DDP ignore list, Trainer adoption on `.to()`, and the guard that makes ranks meet at each forward."""
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
     _attach(model, "save_pretrained", _save_pretrained)
-    _attach(model, "push_to_hub", push)
+    _attach(model, "push_to_hub", push_to_hub)
     _attach(model, "resize_token_embeddings", resize_token_embeddings)
     if is_causal_lm(model):
         _attach(model, "generate", generate)

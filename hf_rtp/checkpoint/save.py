@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -121,8 +120,9 @@ def save_pretrained(
     max_shard_size: int | str = "50GB",
     safe_serialization: bool = True,
     variant: str | None = None,
+    token: str | bool | None = None,
     **kwargs,
-):
+) -> None:
     """Write a standard Hugging Face checkpoint. Collective: every rank calls it; one rank writes.
 
     `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always ring rank 0
@@ -130,6 +130,10 @@ def save_pretrained(
     rank of its ring must take part in gathering the rotated tensors. Called
     on some ranks only (`if accelerator.is_main_process:`), it fails on them within the entry
     timeout with a CollectiveMisuseError instead of waiting.
+
+    With `push_to_hub=True` the files this save wrote (and a model card, as vanilla adds) are then
+    uploaded, nothing else the folder holds; `repo_id`, `commit_message`, `create_pr` and `private`
+    have vanilla's meaning.
     """
     topology: Topology = state_of(model).topology
     topology.enter("save_pretrained")
@@ -140,14 +144,23 @@ def save_pretrained(
     if variant is not None:
         raise NotImplementedError("hf_rtp does not write weight variants yet")
     if push_to_hub:
-        repo_id = kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory).rstrip("/")))
-        return push(model, repo_id, max_shard_size=max_shard_size, save_directory=save_directory, **kwargs)
+        from .push import push_saved  # push.py builds on this module's write()
+
+        return push_saved(model, save_directory, max_shard_size, token, **kwargs)
     for name in sorted(kwargs):
         warning(f"save_pretrained ignores {name}=")
+    write(model, save_directory, state_dict, max_shard_size)
+
+
+def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max_shard_size: int | str) -> list[str]:
+    """save_pretrained's collective write; returns, on the writer, the names of the files this save
+    wrote into the folder (its whole checkpoint), and [] on every other rank."""
+    topology: Topology = state_of(model).topology
     save_directory = os.fspath(save_directory)
     if os.path.isfile(save_directory):
         raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
     writer_rank = topology.is_writer
+    written: list[str] = []
 
     tensors = _stored_tensors(model, _tensors_to_save(model, state_dict))
     names = sorted(tensors)  # vanilla splits files in sorted name order; same order, same files
@@ -191,6 +204,8 @@ def save_pretrained(
                 attempt(writer.close)
         if writer_rank:
             attempt(_write_metadata, model, staging, shards, filenames, sizes)
+            if attempts.error is None:
+                written = sorted(n for n in os.listdir(staging) if commit.own_name(n))
             attempt(commit.commit, staging, save_directory, filenames)
             if attempts.error is None:
                 info(f"Model weights saved in {save_directory}")
@@ -207,6 +222,7 @@ def save_pretrained(
             lock.release()
     with agreed(topology.control, CheckpointError):
         attempts.raise_first()
+    return written
 
 
 def _lock(directory: str):
@@ -237,58 +253,3 @@ def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:
         }
         with open(os.path.join(staging, INDEX_NAME), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def push(
-    model,
-    repo_id: str,
-    commit_message: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    max_shard_size: int | str = "5GB",
-    create_pr: bool = False,
-    revision: str | None = None,
-    save_directory: str | os.PathLike | None = None,
-    **kwargs,
-):
-    """push_to_hub: save (collectively) into a folder, then the rank that wrote it uploads it with huggingface_hub."""
-    topology: Topology = state_of(model).topology
-    topology.enter("push_to_hub")
-    for name in sorted(kwargs):
-        warning(f"push_to_hub ignores {name}=")
-    folder = os.fspath(save_directory) if save_directory is not None else None
-    scratch = None
-    if folder is None:
-        scratch = tempfile.TemporaryDirectory(prefix="hf_rtp-push-")
-        folder = scratch.name
-    try:
-        save_pretrained(model, folder, max_shard_size=max_shard_size)
-        result = None
-        with agreed(topology.control, CheckpointError):
-            if topology.is_writer:  # the rank that wrote the folder
-                result = upload_folder(folder, repo_id, commit_message, private, token, create_pr, revision)
-        return result
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
-
-
-def upload_folder(folder, repo_id, commit_message=None, private=None, token=None, create_pr=False, revision=None):
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    try:
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        return api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            commit_message=commit_message or "Upload model (hf_rtp)",
-            create_pr=create_pr,
-            revision=revision,
-        )
-    except Exception as err:
-        raise CheckpointError(
-            f"could not push {folder} to the Hub as {repo_id} ({type(err).__name__}: {err}). "
-            "The checkpoint itself is complete: check your token and network (and HF_HUB_OFFLINE), "
-            "or upload the folder later with `huggingface-cli upload`."
-        ) from err

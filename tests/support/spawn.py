@@ -141,8 +141,17 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False):
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, inherited, env, results, not fresh))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # a fresh (spawned) rank unpickles `fn`, importing its test module and whatever that imports, before
+    # _worker applies `env`: the variables must already be in the environment the interpreter starts with
+    started_with = dict(os.environ)
+    if fresh:
+        os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(started_with)
     outcome = {}
     try:
         while not set(wanted) <= set(outcome):

@@ -1,0 +1,135 @@
+"""push_to_hub for rotated models: save collectively, then the writer commits to the Hub exactly the files
+that save wrote, plus the model card vanilla adds, as transformers' `_upload_modified_files` does.
+
+A folder is the user's (Trainer's output_dir holds `checkpoint-*/optimizer.pt`, people keep notes
+beside their weights), so the commit lists the saved files one by one; nothing else in the folder is
+ever read for an upload. The card is built in memory and never written into the user's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from ..distributed.agreement import agreed
+from ..distributed.topology import Topology
+from ..model.state import state_of
+from .safetensors_io import CheckpointError
+from .save import write
+
+# what save_pretrained(push_to_hub=True, ...) takes for the push, with vanilla's meaning (vanilla passes
+# what it does not pop to `create_repo`, of which hf_rtp takes `private`; anything else is refused)
+_SAVE_PUSH_KWARGS = ("repo_id", "commit_message", "create_pr", "private")
+
+
+def push_to_hub(
+    model,
+    repo_id: str,
+    *,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: bool | str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    max_shard_size: int | str | None = "50GB",
+    tags: list[str] | str | None = None,
+):
+    """Vanilla's `model.push_to_hub`: save into a scratch folder (collectively), then the rank that wrote it
+    commits those files. Returns huggingface_hub's CommitInfo on the writer, None on the other ranks."""
+    topology: Topology = state_of(model).topology
+    topology.enter("push_to_hub")
+    with tempfile.TemporaryDirectory(prefix="hf_rtp-push-") as folder:
+        written = write(model, folder, None, max_shard_size or "50GB")
+        return _upload_on_writer(
+            model,
+            folder,
+            written,
+            repo_id,
+            commit_message=commit_message,
+            commit_description=commit_description,
+            private=private,
+            token=token,
+            revision=revision,
+            create_pr=create_pr,
+            tags=tags,
+        )
+
+
+def push_saved(model, save_directory: str | os.PathLike, max_shard_size: int | str, token, **kwargs):
+    """save_pretrained(..., push_to_hub=True): the save into `save_directory`, then its files pushed."""
+    unknown = sorted(set(kwargs) - set(_SAVE_PUSH_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"save_pretrained(push_to_hub=True) got keyword arguments hf_rtp does not pass on: {', '.join(unknown)} "
+            f"(it takes {', '.join(_SAVE_PUSH_KWARGS)}; call model.push_to_hub(...) for the others)"
+        )
+    folder = os.fspath(save_directory)
+    repo_id = kwargs.pop("repo_id", None) or os.path.basename(folder.rstrip(os.sep))
+    written = write(model, folder, None, max_shard_size)
+    _upload_on_writer(model, folder, written, repo_id, token=token, **kwargs)
+
+
+def _upload_on_writer(model, folder: str, written: list[str], repo_id: str, **options):
+    topology: Topology = state_of(model).topology
+    result = None
+    with agreed(topology.control, CheckpointError):  # the writer's failure is every rank's error
+        if topology.is_writer:
+            result = upload(model, folder, written, repo_id, **options)
+    return result
+
+
+def upload(
+    model,
+    folder: str,
+    files: list[str],
+    repo_id: str,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: bool | str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    tags: list[str] | str | None = None,
+):
+    """One commit of `files` (names inside `folder`) and a model card, as vanilla's push makes it."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from transformers.utils.hub import create_and_tag_model_card
+
+    api = HfApi(token=token)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        card = create_and_tag_model_card(repo_id, _tags(model, tags), token=token)
+        operations = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=os.path.join(folder, n)) for n in files]
+        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode()))
+        if revision is not None and not revision.startswith("refs/pr"):
+            api.create_branch(repo_id=repo_id, branch=revision, token=token, exist_ok=True)
+        return api.create_commit(
+            repo_id=repo_id,
+            operations=operations,
+            commit_message=commit_message or _default_message(model),
+            commit_description=commit_description,
+            token=token,
+            create_pr=create_pr,
+            revision=revision,
+        )
+    except Exception as err:
+        raise CheckpointError(
+            f"could not push {folder} to the Hub as {repo_id} ({type(err).__name__}: {err}). "
+            "The checkpoint itself is complete: check your token and network (and HF_HUB_OFFLINE), "
+            "or upload the folder later with `hf upload`."
+        ) from err
+
+
+def _tags(model, tags: list[str] | str | None) -> list[str]:
+    """The model's own tags (TRL adds its own) and the ones passed, as vanilla's push_to_hub merges them."""
+    merged = list(getattr(model, "model_tags", None) or [])
+    for tag in [tags] if isinstance(tags, str) else tags or []:
+        if tag not in merged:
+            merged.append(tag)
+    return merged
+
+
+def _default_message(model) -> str:
+    name = type(model).__name__
+    return "Upload model" if "Model" in name else f"Upload {name}"
