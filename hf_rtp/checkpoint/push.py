@@ -99,7 +99,8 @@ def upload(
     api = HfApi(token=token)
     try:
         repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        card = create_and_tag_model_card(repo_id, _tags(model, tags), token=token)
+        # the card's lookup takes a token string; True (the stored token) is its default anyway
+        card = create_and_tag_model_card(repo_id, _tags(model, tags), token=token if isinstance(token, str) else None)
         operations = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=os.path.join(folder, n)) for n in files]
         operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode()))
         if revision is not None and not revision.startswith("refs/pr"):

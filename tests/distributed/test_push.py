@@ -1,5 +1,6 @@
 """push_to_hub: offline, the folder is a complete checkpoint and the refusal a clear error; online (a local
-endpoint), the commit holds exactly the files the save wrote and vanilla's model card, whatever else the folder holds."""
+endpoint), the commit holds exactly the files the save wrote and vanilla's model card, whatever else the
+folder holds."""
 
 import os
 
