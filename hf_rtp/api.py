@@ -3,6 +3,7 @@ attaches anything to a loaded model."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import stat
@@ -16,13 +17,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
-from . import faults, log, plans
+from . import faults, keywords, log, plans
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
-from .checkpoint.push import push_to_hub
-from .checkpoint.save import save_pretrained
+from .checkpoint.pretrained import push_to_hub, save_pretrained
 from .distributed.agreement import agreed
 from .distributed.rotated import COMPILE_REFUSED, keep_rotated
 from .distributed.topology import setup
@@ -60,7 +60,7 @@ def from_pretrained(
     verify_weights: str = "auto",
     auto_class=None,
     reduce_dtype: str | torch.dtype | None = None,
-    **config_kwargs,
+    **kwargs,
 ) -> PreTrainedModel:
     """Load a checkpoint with its weights rotated across all ranks. Every rank calls it.
 
@@ -107,24 +107,29 @@ def from_pretrained(
             and on a 2-D grid the sum over replicas runs on `.grad`, in that dtype.
             Weights need no setting: under autocast they travel in its dtype (bf16 over float32
             weights sends half the bytes, with the same matmul inputs as casting at each matmul).
-        config_kwargs: overrides for config.json, as in transformers (e.g. attn_implementation="eager").
+        kwargs: transformers' own keywords, with vanilla's meaning: `config=`, `subfolder`, `variant`,
+            `use_safetensors`, `output_loading_info` (then a (model, info) pair is returned),
+            `generation_config`, `torch_dtype`, `device_map` that puts the whole model on one device
+            (`{"": local_rank}`), `low_cpu_mem_usage` (a no-op, as in vanilla); and overrides for
+            config.json (e.g. attn_implementation="eager"). Those hf_rtp cannot honour (`device_map="auto"`,
+            `tp_plan`, `quantization_config`, ...) are refused by name with the reason: see hf_rtp/keywords.py.
     """
+    options = keywords.resolve(kwargs, dtype, device)
+    dtype, device = options.dtype, options.device
     settings = Settings.resolve(device, timeout, rotation_piece_size, verify_weights, fused_loss, reduce_dtype)
     topology = setup(settings, device_mesh, rtp_size)
     with agreed(topology.control, TopologyError):
         faults.check()  # a misspelt fault point is an error, not a test that injects nothing
     check_accelerate_state(topology.world_size)  # an Accelerator that runs undistributed: fail before loading
-    directory, commit = resolve_directory(
-        os.fspath(pretrained_model_name_or_path), revision, token, cache_dir, local_files_only, topology.control
+    directory, commit = _resolve(
+        pretrained_model_name_or_path, options.subfolder, revision, token, cache_dir, local_files_only, topology.control
     )
-    config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
-    if unused:
-        raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+    config = _config(directory, options)
     auto_class = model_class(auto_class, config)  # before any read: a wrong head fails naming the right one
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
     plan = _named_plan(plan)
     with agreed(topology.control, CheckpointError):  # one rank's bad file is everyone's error
-        entries = find_weights(directory).tensors()
+        entries = find_weights(directory, options.variant).tensors()
     dtype = _resolve_dtype(dtype, config, entries)
     config.dtype = dtype  # as vanilla records it
     # before any other collective: ranks holding other files would otherwise meet in different ones
@@ -165,7 +170,7 @@ def from_pretrained(
     if fresh:
         initialise_head(model, fresh, dtype, topology.device, topology.control)
     if model.can_generate():
-        model.generation_config = _generation_config(directory, model)
+        model.generation_config = options.generation_config or _generation_config(directory, model)
     load_like = functools.partial(
         from_pretrained,
         device=settings.device,
@@ -187,7 +192,42 @@ def from_pretrained(
         + ": "
         f"{len(resolution.rotated)} rotated modules, {len(resolution.replicated)} replicated parameters"
     )
-    return model.eval()  # as transformers' from_pretrained does
+    model.eval()  # as transformers' from_pretrained does
+    if options.output_loading_info:
+        info = {"missing_keys": set(fresh), "unexpected_keys": set(unexpected), "mismatched_keys": set()}
+        return model, {**info, "error_msgs": []}  # type: ignore[return-value]  # vanilla's pair, on request
+    return model
+
+
+def _resolve(path, subfolder: str, revision, token, cache_dir, local_files_only, group) -> tuple[str, str | None]:
+    """The folder to read, with vanilla's `subfolder` inside it (config and weights alike), and its commit."""
+    path = os.fspath(path)
+    if subfolder and os.path.isdir(path):
+        path = os.path.join(path, subfolder)
+    directory, commit = resolve_directory(path, revision, token, cache_dir, local_files_only, group)
+    if subfolder and commit is not None:  # a Hub snapshot: its subfolder came with it
+        directory = os.path.join(directory, subfolder)
+        if not os.path.exists(os.path.join(directory, "config.json")):
+            raise CheckpointError(f"{path} has no config.json in subfolder '{subfolder}'")
+    if os.path.exists(os.path.join(directory, "adapter_config.json")):
+        raise CheckpointError(
+            f"{directory} holds a PEFT adapter (adapter_config.json) beside the base weights. Vanilla from_pretrained "
+            "would apply it; hf_rtp does not apply adapters at load, and will not load the base without it silently. "
+            "Merge it with vanilla (PeftModel.from_pretrained(base, path).merge_and_unload().save_pretrained(out)) "
+            "and load `out`, or keep the adapter in a folder of its own"
+        )
+    return directory, commit
+
+
+def _config(directory: str, options: keywords.LoadOptions):
+    """config.json with the overrides, or the `config=` passed (a copy, as vanilla takes one)."""
+    source = options.config if options.config is not None else directory
+    if not isinstance(source, (str, os.PathLike)):
+        return copy.deepcopy(source)
+    config, unused = AutoConfig.from_pretrained(source, return_unused_kwargs=True, **options.config_kwargs)
+    if unused:
+        raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+    return config
 
 
 class _Auto:

@@ -67,15 +67,18 @@ def _inside(directory: str, name, index: str) -> str:
     return path
 
 
-def find_weights(directory: str) -> CheckpointFiles:
-    index = os.path.join(directory, INDEX_NAME)
+def find_weights(directory: str, variant: str | None = None) -> CheckpointFiles:
+    """The checkpoint's safetensors files: the index's, or the single file; with vanilla's `variant`,
+    `model.safetensors.index.<variant>.json` or `model.<variant>.safetensors`."""
+    index_name, single_name = (INDEX_NAME, SINGLE_NAME) if variant is None else _variant_names(variant)
+    index = os.path.join(directory, index_name)
     if os.path.exists(index):
         paths = sorted({_inside(directory, n, index) for n in _read_index(index).values()})
         missing = [os.path.relpath(p, directory) for p in paths if not os.path.exists(p)]
         if missing:
             raise CheckpointError(f"{index} refers to missing file(s) {', '.join(missing)}: the download is incomplete")
         return CheckpointFiles(directory, tuple(paths))
-    single = _inside(directory, SINGLE_NAME, directory)
+    single = _inside(directory, single_name, directory)
     if os.path.exists(single):
         return CheckpointFiles(directory, (single,))
     pickles = sorted(
@@ -87,7 +90,14 @@ def find_weights(directory: str) -> CheckpointFiles:
             "unpickling a file can run arbitrary code. Convert it once where you trust the file, e.g. "
             "`AutoModelForCausalLM.from_pretrained(path).save_pretrained(path)`, which writes model.safetensors."
         )
-    raise CheckpointError(f"no {SINGLE_NAME} or {INDEX_NAME} in {directory}")
+    raise CheckpointError(f"no {single_name} or {index_name} in {directory}")
+
+
+def _variant_names(variant: str) -> tuple[str, str]:
+    """transformers' `_add_variant`: the variant goes before the last suffix of each name."""
+    if not variant or os.sep in variant or "/" in variant:
+        raise ValueError(f"variant must be a plain name such as 'fp16', got {variant!r}")
+    return f"model.safetensors.index.{variant}.json", f"model.{variant}.safetensors"
 
 
 def resolve_directory(
@@ -115,6 +125,12 @@ def resolve_directory(
             )
     if local:
         if not os.path.exists(os.path.join(name_or_path, "config.json")):
+            if os.path.exists(os.path.join(name_or_path, "adapter_config.json")):
+                raise CheckpointError(
+                    f"{name_or_path} holds a PEFT adapter only (adapter_config.json, no config.json). Vanilla "
+                    "from_pretrained would load its base and apply it; hf_rtp does not apply adapters at load: "
+                    "load the base model's folder, or merge the adapter with vanilla and load the merged folder"
+                )
             raise CheckpointError(f"{name_or_path} has no config.json; is it a transformers checkpoint directory?")
         return name_or_path, None
     if not dist.is_initialized():

@@ -24,7 +24,7 @@ from .. import faults
 from ..distributed.agreement import Attempts, agreed
 from ..distributed.sharding import ChunkLayout
 from ..distributed.topology import Topology
-from ..log import info, progress, warning
+from ..log import info, progress
 from ..model.state import state_of
 from ..model.ties import tie_targets
 from ..settings import parse_size
@@ -32,9 +32,6 @@ from . import commit
 from .commit import INDEX_NAME, SINGLE_NAME
 from .conversion import own
 from .safetensors_io import CheckpointError, StreamingWriter
-
-# what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
-_IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", "distributed_checkpoint"}
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -109,47 +106,6 @@ def _tensors_to_save(model, state_dict) -> dict[str, torch.Tensor]:
         for name in [n for n in state_dict if re.search(pattern, n)]:
             del state_dict[name]
     return state_dict
-
-
-def save_pretrained(
-    model,
-    save_directory: str | os.PathLike,
-    is_main_process: bool = True,
-    state_dict: dict | None = None,
-    push_to_hub: bool = False,
-    max_shard_size: int | str = "50GB",
-    safe_serialization: bool = True,
-    variant: str | None = None,
-    token: str | bool | None = None,
-    **kwargs,
-) -> None:
-    """Write a standard Hugging Face checkpoint. Collective: every rank calls it; one rank writes.
-
-    `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always ring rank 0
-    of the first replica (global rank 0 unless a device_mesh orders ranks otherwise), because every
-    rank of its ring must take part in gathering the rotated tensors. Called
-    on some ranks only (`if accelerator.is_main_process:`), it fails on them within the entry
-    timeout with a CollectiveMisuseError instead of waiting.
-
-    With `push_to_hub=True` the files this save wrote (and a model card, as vanilla adds) are then
-    uploaded, nothing else the folder holds; `repo_id`, `commit_message`, `create_pr` and `private`
-    have vanilla's meaning.
-    """
-    topology: Topology = state_of(model).topology
-    topology.enter("save_pretrained")
-    if not safe_serialization:
-        raise ValueError("hf_rtp writes safetensors only; drop safe_serialization=False")
-    for name in _IGNORED_KWARGS:
-        kwargs.pop(name, None)
-    if variant is not None:
-        raise NotImplementedError("hf_rtp does not write weight variants yet")
-    if push_to_hub:
-        from .push import push_saved  # push.py builds on this module's write()
-
-        return push_saved(model, save_directory, max_shard_size, token, **kwargs)
-    for name in sorted(kwargs):
-        warning(f"save_pretrained ignores {name}=")
-    write(model, save_directory, state_dict, max_shard_size)
 
 
 def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max_shard_size: int | str) -> list[str]:

@@ -1,5 +1,6 @@
-"""push_to_hub for rotated models: save collectively, then the writer commits to the Hub exactly the files
-that save wrote, plus the model card vanilla adds, as transformers' `_upload_modified_files` does.
+"""save_pretrained and push_to_hub as a rotated model's methods: vanilla's keywords, the collective write
+(save.py), and for a push, one Hub commit of exactly the files that save wrote plus the model card vanilla
+adds, as transformers' `_upload_modified_files` does.
 
 A folder is the user's (Trainer's output_dir holds `checkpoint-*/optimizer.pt`, people keep notes
 beside their weights), so the commit lists the saved files one by one; nothing else in the folder is
@@ -13,13 +14,56 @@ import tempfile
 
 from ..distributed.agreement import agreed
 from ..distributed.topology import Topology
+from ..log import warning
 from ..model.state import state_of
 from .safetensors_io import CheckpointError
 from .save import write
 
+# what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
+_IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", "distributed_checkpoint"}
+
 # what save_pretrained(push_to_hub=True, ...) takes for the push, with vanilla's meaning (vanilla passes
 # what it does not pop to `create_repo`, of which hf_rtp takes `private`; anything else is refused)
 _SAVE_PUSH_KWARGS = ("repo_id", "commit_message", "create_pr", "private")
+
+
+def save_pretrained(
+    model,
+    save_directory: str | os.PathLike,
+    is_main_process: bool = True,
+    state_dict: dict | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = "50GB",
+    safe_serialization: bool = True,
+    variant: str | None = None,
+    token: str | bool | None = None,
+    **kwargs,
+) -> None:
+    """Write a standard Hugging Face checkpoint. Collective: every rank calls it; one rank writes.
+
+    `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always ring rank 0
+    of the first replica (global rank 0 unless a device_mesh orders ranks otherwise), because every
+    rank of its ring must take part in gathering the rotated tensors. Called
+    on some ranks only (`if accelerator.is_main_process:`), it fails on them within the entry
+    timeout with a CollectiveMisuseError instead of waiting.
+
+    With `push_to_hub=True` the files this save wrote (and a model card, as vanilla adds) are then
+    uploaded, nothing else the folder holds; `repo_id`, `commit_message`, `create_pr` and `private`
+    have vanilla's meaning.
+    """
+    topology: Topology = state_of(model).topology
+    topology.enter("save_pretrained")
+    if not safe_serialization:
+        raise ValueError("hf_rtp writes safetensors only; drop safe_serialization=False")
+    for name in _IGNORED_KWARGS:
+        kwargs.pop(name, None)
+    if variant is not None:
+        raise NotImplementedError("hf_rtp does not write weight variants yet")
+    if push_to_hub:
+        return push_saved(model, save_directory, state_dict, max_shard_size, token, **kwargs)
+    for name in sorted(kwargs):
+        warning(f"save_pretrained ignores {name}=")
+    write(model, save_directory, state_dict, max_shard_size)
 
 
 def push_to_hub(
@@ -56,7 +100,7 @@ def push_to_hub(
         )
 
 
-def push_saved(model, save_directory: str | os.PathLike, max_shard_size: int | str, token, **kwargs):
+def push_saved(model, save_directory: str | os.PathLike, state_dict, max_shard_size: int | str, token, **kwargs):
     """save_pretrained(..., push_to_hub=True): the save into `save_directory`, then its files pushed."""
     unknown = sorted(set(kwargs) - set(_SAVE_PUSH_KWARGS))
     if unknown:
@@ -66,7 +110,7 @@ def push_saved(model, save_directory: str | os.PathLike, max_shard_size: int | s
         )
     folder = os.fspath(save_directory)
     repo_id = kwargs.pop("repo_id", None) or os.path.basename(folder.rstrip(os.sep))
-    written = write(model, folder, None, max_shard_size)
+    written = write(model, folder, state_dict, max_shard_size)
     _upload_on_writer(model, folder, written, repo_id, token=token, **kwargs)
 
 
