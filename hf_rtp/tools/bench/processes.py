@@ -1,4 +1,5 @@
-"""Start one strategy's ranks as fresh processes and watch their resident memory from outside.
+"""Start one strategy's ranks (fresh interpreters, or forks of a preloaded rank server: rank_server.py)
+and watch their resident memory from outside.
 
 Every process starts with MALLOC_MMAP_THRESHOLD_=65536, so blocks freed by the program go back to
 the OS and VmRSS measures the program rather than glibc's cache. The sampler lives in the parent,
@@ -8,11 +9,15 @@ caller cut the series into phases the ranks report (load, train).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -35,20 +40,159 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, port: int, threads: int = 1, extra: dict | None = None) -> dict:
+def common_env(threads: int = 1, extra: dict | None = None) -> dict:
+    """What every rank of a bench run starts with, and the rank server too (see rank_server.py)."""
     return dict(
         os.environ,
         MALLOC_MMAP_THRESHOLD_="65536",
         OMP_NUM_THREADS=str(threads),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_VERBOSITY="error",
         **(extra or {}),
     )
+
+
+def rank_only_env(rank: int, world_size: int, port: int) -> dict:
+    """What torch.distributed reads when a rank calls it: all that differs between ranks."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def rank_env(rank: int, world_size: int, port: int, threads: int = 1, extra: dict | None = None) -> dict:
+    return {**common_env(threads, extra), **rank_only_env(rank, world_size, port)}
+
+
+_server: RankServer | None = None
+
+
+@contextlib.contextmanager
+def preloaded_ranks(threads: int = 1):
+    """Within it, run_ranks forks ranks from one server that imported torch, transformers and hf_rtp
+    once (rank_server.py), instead of starting an interpreter per rank; the server ends with it."""
+    global _server
+    server = RankServer(threads)
+    _server = server
+    try:
+        yield server
+    finally:
+        _server = None
+        server.close()
+
+
+class RankServer:
+    """The parent's end of rank_server.py: one request per strategy run, one line per answer."""
+
+    def __init__(self, threads: int):
+        self.folder = tempfile.TemporaryDirectory(prefix="hf_rtp-ranks-")
+        self._log = open(os.path.join(self.folder.name, "server.err"), "w+")  # noqa: SIM115  # closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hf_rtp.tools.bench.rank_server"],
+            env=common_env(threads),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self._pending = b""
+        self._runs = 0
+
+    def launch(self, module: str, args: list[str], world_size: int, port: int) -> _Forked:
+        self._runs += 1
+        ranks = [
+            {
+                "env": rank_only_env(rank, world_size, port),
+                "stdout": os.path.join(self.folder.name, f"{self._runs}-{rank}.out"),
+                "stderr": os.path.join(self.folder.name, f"{self._runs}-{rank}.err"),
+            }
+            for rank in range(world_size)
+        ]
+        assert self.proc.stdin is not None  # a pipe, from Popen above
+        self.proc.stdin.write((json.dumps({"module": module, "args": args, "ranks": ranks}) + "\n").encode())
+        self.proc.stdin.flush()
+        pids = self.answer(None)["pids"]
+        return _Forked(self, pids, ranks)
+
+    def answer(self, timeout: float | None) -> dict:
+        """The server's next line; TimeoutError if none within `timeout` seconds."""
+        assert self.proc.stdout is not None  # a pipe, from Popen above
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                self._log.seek(0)
+                raise RuntimeError(f"the bench's rank server exited:\n{self._log.read()[-4000:]}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()  # the server's loop ends at end of input
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        self.folder.cleanup()
+
+
+class _Forked:
+    """One strategy's ranks, forked by the rank server."""
+
+    def __init__(self, server: RankServer, pids: list[int], ranks: list[dict]):
+        self.server, self.pids, self.ranks = server, pids, ranks
+
+    def finish(self, timeout: float | None) -> list[tuple[int, str, str]]:
+        try:
+            exits = self.server.answer(timeout)["exits"]
+        except TimeoutError:
+            for pid in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.server.answer(30)  # the server has reaped them
+            raise
+        ranks = zip(exits, self.ranks, strict=True)
+        return [(code, _read(rank["stdout"]), _read(rank["stderr"])) for code, rank in ranks]
+
+
+class _Started:
+    """One strategy's ranks, each a fresh interpreter."""
+
+    def __init__(self, module: str, args: list[str], world_size: int, port: int, threads: int, extra_env):
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                env=rank_env(rank, world_size, port, threads, extra_env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(world_size)
+        ]
+        self.pids = [p.pid for p in self.procs]
+
+    def finish(self, timeout: float | None) -> list[tuple[int, str, str]]:
+        try:
+            outputs = [p.communicate(timeout=timeout) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            for p in self.procs:
+                p.kill()
+            raise TimeoutError from None
+        return [(p.returncode, out, err) for p, (out, err) in zip(self.procs, outputs, strict=True)]
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
 
 
 def run_ranks(
@@ -60,46 +204,40 @@ def run_ranks(
     extra_env: dict | None = None,
     timeout: float | None = None,
 ) -> list[dict]:
-    """Run `python -m module *args` as ranks 0..world_size-1; return each rank's last JSON line,
-    with "rss_samples": [(time, bytes), ...] added. Raises with the failing rank's stderr."""
+    """Run `module.main(args)` as ranks 0..world_size-1; return each rank's last JSON line, with
+    "rss_samples": [(time, bytes), ...] added. Raises with the failing rank's stderr. Inside
+    `preloaded_ranks` the ranks are forks of its server (extra_env needs fresh interpreters)."""
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            env=rank_env(rank, world_size, port, threads, extra_env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    samples: list[list[tuple[float, int]]] = [[] for _ in procs]
+    ranks = (
+        _server.launch(module, args, world_size, port)
+        if _server is not None and extra_env is None
+        else _Started(module, args, world_size, port, threads, extra_env)
+    )
+    samples: list[list[tuple[float, int]]] = [[] for _ in ranks.pids]
     running = True
 
     def sample():
         while running:
             now = time.time()
-            for series, p in zip(samples, procs, strict=True):
-                series.append((now, vm_rss(p.pid)))
+            for series, pid in zip(samples, ranks.pids, strict=True):
+                series.append((now, vm_rss(pid)))
             time.sleep(interval)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+        outputs = ranks.finish(timeout)
+    except TimeoutError:
         raise RuntimeError(f"`python -m {module}` did not finish within {timeout} s on {world_size} ranks") from None
     finally:
         running = False
         sampler.join()
-    failed = [(rank, err) for rank, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode != 0]
+    failed = [(rank, err) for rank, (code, _, err) in enumerate(outputs) if code != 0]
     if failed:
         rank, err = failed[0]
         raise RuntimeError(f"rank {rank} of `python -m {module} {' '.join(args)}` failed:\n{err[-4000:]}")
     reports = []
-    for series, (out, _) in zip(samples, outputs, strict=True):
+    for series, (_, out, _) in zip(samples, outputs, strict=True):
         report = json.loads(out.strip().splitlines()[-1])
         report["rss_samples"] = series
         reports.append(report)

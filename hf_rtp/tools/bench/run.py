@@ -19,7 +19,7 @@ import tempfile
 
 from .. import memory
 from .presets import PRESETS, make_preset
-from .processes import peak_between, run_ranks
+from .processes import peak_between, preloaded_ranks, run_ranks
 from .worker import STRATEGIES, VARIANTS
 
 
@@ -273,6 +273,11 @@ def main(argv=None) -> dict:
                 "Use --strategies single, or smaller --world-sizes."
             )
     os.makedirs(args.output, exist_ok=True)
+    with preloaded_ranks(args.threads):  # every strategy's ranks fork from one process that imported once
+        return _run(args, sizes, strategies)
+
+
+def _run(args, sizes: list[int], strategies: list[str]) -> dict:
     checkpoint = args.checkpoint or make_preset(
         args.preset, os.path.join(tempfile.gettempdir(), f"hf-rtp-bench-{args.preset}")
     )
