@@ -92,7 +92,9 @@ class RankServer:
         self._log = open(os.path.join(self.folder.name, "server.err"), "w+")  # noqa: SIM115  # closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hf_rtp.tools.bench.rank_server"],
-            env=common_env(threads),
+            # should an import ever ask whether CUDA is there, torch answers through NVML, which leaves
+            # the server without a CUDA context its forks could not use
+            env={**common_env(threads), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
