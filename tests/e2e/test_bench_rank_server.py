@@ -17,9 +17,9 @@ def test_forked_ranks_start_as_fresh_interpreters_and_failures_are_reported_and_
     fresh = run_ranks("support.rank_probe", [], 2)
     with preloaded_ranks(threads=1):
         forked = run_ranks("support.rank_probe", [], 2)
-        with pytest.raises(RuntimeError, match="rank 0 of .* failed:\nthis rank failed on purpose"):
+        with pytest.raises(RuntimeError, match=r"rank 0 of .* failed:\nthis rank failed on purpose"):
             run_ranks("support.rank_probe", ["fail"], 2)
-        with pytest.raises(RuntimeError, match="did not finish within 2 s on 2 ranks"):
+        with pytest.raises(RuntimeError, match=r"did not finish within 2 s on 2 ranks"):
             run_ranks("support.rank_probe", ["stop"], 2, timeout=2)
         server = psutil.Process().children()[-1]
         assert server.children() == []  # the stopped ranks were killed and reaped
