@@ -25,7 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import CollectiveMisuseError, RotatedStateError
-from ..private.torch_names import foreach_type_lists, implicit_replication, local_tensor, set_implicit_replication
+from ..private.torch_names import (
+    amp_unscale,
+    foreach_type_lists,
+    implicit_replication,
+    local_tensor,
+    set_implicit_replication,
+)
 from . import rendezvous
 from .sharding import chunk_rows
 
@@ -34,6 +40,14 @@ _PICKLE_REFUSED = (
     "dict written by one rank would silently hold that rank's slice. Save weights with "
     "model.save_pretrained(dir) on every rank, training state with hf_rtp.save_training_state(dir, model, "
     "optimizer, ...), or train through accelerator.save_state / hf_rtp.Trainer, which hf_rtp makes collective."
+)
+
+
+_C10D_REFUSED = (
+    "{op} on a rotated tensor: a torch.distributed collective treats it as one tensor every rank holds, but each "
+    "rank holds other rows of it, trained on other data. Its weights, gradients and optimizer state are already "
+    "1/N per rank: ZeroRedundancyOptimizer has nothing left to shard (use its optimizer_class directly, e.g. "
+    "torch.optim.AdamW), and gradients are averaged by backward (hf_rtp.sync_grads for the replicated ones)."
 )
 
 
@@ -139,6 +153,12 @@ class RotatedTensor(DTensor):
         # this op's rotated arguments to DTensor for the call (and back) does the same for a third of the cost
         rotated = [t for t in _tensors(args) if type(t) is RotatedTensor]
         rotated += [t for t in _tensors((kwargs or {}).values()) if type(t) is RotatedTensor]
+        if rotated and func.namespace == "c10d":
+            raise RotatedStateError(_C10D_REFUSED.format(op=func))
+        if func is amp_unscale and not isinstance(args[0][0], DTensor):
+            # in place per tensor, one found_inf for all: the order is free, and DTensor's handler wants a
+            # DTensor first (it takes the mesh from it and reduces found_inf over the ring, for every tensor)
+            args = (sorted(args[0], key=lambda t: not isinstance(t, DTensor)), *args[1:])
         allowed = implicit_replication()
         try:
             for t in rotated:

@@ -4,8 +4,9 @@ Also the LM head, tied or not: a vocabulary-split linear whose chunks are the em
 
 Subclasses that change the forward are refused, except those whose forward is a plain linear map
 written out, recognised by the exact text of that forward (Falcon's `FalconLinear`: `input @ W.T`,
-then `+ bias`), so an edited copy is refused rather than computed with other math. The map is the
-same; F.linear adds the bias inside its matmul, so a result can differ in the last bit.
+then `+ bias`), so an edited copy is refused rather than computed with other math. Such a module is
+computed as its code does: the matmul, then the bias added outside it, so under autocast the sum is
+promoted to the bias's float32 as vanilla's is (F.linear would return bf16 with a bf16 bias).
 """
 
 from __future__ import annotations
@@ -21,15 +22,21 @@ from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own
 
 class _RotatedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, layout: ChunkLayout):
-        out = x.new_empty(*x.shape[:-1], layout.rows)
+    def forward(ctx, x, weight, bias, ring: Ring, layout: ChunkLayout, bias_after: bool = False):
+        # bias_after: `x @ W.T + bias` written out (FalconLinear): the sum in the promoted dtype, as its code
+        added = bias_after and bias is not None
+        out = x.new_empty(*x.shape[:-1], layout.rows, dtype=torch.promote_types(x.dtype, bias.dtype) if added else None)
 
         def compute(rows, chunk):
             start, end = rows
-            out[..., start:end] = F.linear(x, *(t.to(x.dtype) for t in chunk))
+            if added:
+                out[..., start:end] = x @ chunk[0].to(x.dtype).T + chunk[1]
+            else:
+                out[..., start:end] = F.linear(x, *(t.to(x.dtype) for t in chunk))
 
         with torch.autocast(x.device.type, enabled=False):
-            ring.forward_walk(own_bundle(weight, bias), layout, compute, dtype=x.dtype)
+            # an added bias keeps its own dtype, so the bundle travels in the parameters' dtype
+            ring.forward_walk(own_bundle(weight, bias), layout, compute, dtype=None if added else x.dtype)
         # Only the input is kept for backward; the weights are fetched again by the backward walk.
         ctx.save_for_backward(x, weight, bias)
         ctx.ring, ctx.layout = ring, layout
@@ -41,20 +48,20 @@ class _RotatedLinearFn(torch.autograd.Function):
         ring, layout = ctx.ring, ctx.layout
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        gm = g2.to(x.dtype)  # what reaches the matmul: autograd casts a promoted sum's gradient back to its dtype
         grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
         def accumulate(rows, _chunk, acc):
             start, end = rows
-            g = g2[:, start:end]
-            add_matmul(acc[0], g.t(), x2)
+            add_matmul(acc[0], gm[:, start:end].t(), x2)
             if bias is not None:
-                acc[1].add_(g.sum(0))
+                acc[1].add_(g2[:, start:end].sum(0))
 
         def input_grad(rows, chunk):
             start, end = rows
             assert grad_x is not None  # input_grad runs only when grad_x was made
-            grad_x.addmm_(g2[:, start:end], chunk[0].to(g2.dtype))
+            grad_x.addmm_(gm[:, start:end], chunk[0].to(gm.dtype))
 
         landed = ring.backward_walk(
             own_bundle(weight, bias),
@@ -64,7 +71,7 @@ class _RotatedLinearFn(torch.autograd.Function):
             dtype=x.dtype,
         )
         grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
-        return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None
+        return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None, None
 
 
 class RotatedLinear(nn.Linear):
@@ -82,9 +89,13 @@ class RotatedLinear(nn.Linear):
         self.ring = ring
         shapes = (weight.shape,) if bias is None else (weight.shape, bias.shape)
         self.layout = ChunkLayout(tuple(shapes), ring.size)
+        # a forward in PLAIN_LINEAR_FORWARDS (linear_refusal let it through) adds its bias after the matmul
+        self.bias_after_matmul = type(source).forward is not nn.Linear.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RotatedLinearFn.apply(cast_for_matmul(x), local(self.weight), local(self.bias), self.ring, self.layout)
+        return _RotatedLinearFn.apply(
+            cast_for_matmul(x), local(self.weight), local(self.bias), self.ring, self.layout, self.bias_after_matmul
+        )
 
 
 # forwards of nn.Linear subclasses that compute exactly nn.Linear's map, by their code (layers.common.source_text)

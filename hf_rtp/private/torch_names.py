@@ -52,3 +52,8 @@ DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 def local_tensor(tensor: DTensor) -> torch.Tensor:
     """A DTensor's local shard without autograd's to_local() node (DTensor's own field)."""
     return tensor._local_tensor
+
+
+# GradScaler's unscale op: DTensor's handler for it reads the placements of the list's first gradient,
+# so a replicated (plain) gradient first fails there (distributed/rotated.py puts a rotated one first)
+amp_unscale = _get(torch.ops.aten, "_amp_foreach_non_finite_check_and_unscale_").default

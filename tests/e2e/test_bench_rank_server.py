@@ -15,13 +15,13 @@ STARTED_WITH = ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_
 def test_forked_ranks_start_as_fresh_interpreters_and_failures_are_reported_and_reaped(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)  # the ranks import support.rank_probe
     fresh = run_ranks("support.rank_probe", [], 2)
-    with preloaded_ranks(threads=1):
+    with preloaded_ranks(threads=1) as rank_server:
+        server = psutil.Process(rank_server.proc.pid)
         forked = run_ranks("support.rank_probe", [], 2)
         with pytest.raises(RuntimeError, match=r"rank 0 of .* failed:\nthis rank failed on purpose"):
             run_ranks("support.rank_probe", ["fail"], 2)
         with pytest.raises(RuntimeError, match=r"did not finish within 2 s on 2 ranks"):
             run_ranks("support.rank_probe", ["stop"], 2, timeout=2)
-        server = psutil.Process().children()[-1]
         assert server.children() == []  # the stopped ranks were killed and reaped
         again = run_ranks("support.rank_probe", [], 2)  # and the server still serves
     assert not server.is_running()

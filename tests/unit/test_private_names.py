@@ -22,7 +22,7 @@ GATED = {
     "_current_graph_task_id", "_execution_engine", "_flatten_dense_tensors", "_unflatten_dense_tensors",
     "_assert_async", "_local_tensor", "_ddp_params_and_buffers_to_ignore", "_init_weights",
     "_get_resized_embeddings", "_get_resized_lm_head", "_loss_function", "_apply_gate", "_attn_implementation",
-    "_no_split_modules", "_models", "_optimizers", "_shared_state",
+    "_no_split_modules", "_models", "_optimizers", "_shared_state", "_amp_foreach_non_finite_check_and_unscale_",
 }  # fmt: skip
 LIBRARIES = ("torch", "transformers", "accelerate")
 
