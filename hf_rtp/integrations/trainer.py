@@ -33,7 +33,8 @@ from packaging.version import Version
 
 from ..checkpoint.load import load_into
 from ..checkpoint.resume import load_training_state, save_training_state
-from ..errors import IntegrationError
+from ..distributed.rotated import COMPILE_REFUSED
+from ..errors import IntegrationError, RotatedStateError
 from ..log import warning
 from ..model.state import rotated_module, state_of
 from ..private.transformers_names import TESTED
@@ -82,6 +83,8 @@ def _attach(trainer, model):
     check_processes(
         trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)"
     )
+    if getattr(trainer.args, "torch_compile", False) and state_of(model).topology.world_size > 1:
+        raise RotatedStateError(COMPILE_REFUSED)  # at construction, not as dynamo's error at the first step
     _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))

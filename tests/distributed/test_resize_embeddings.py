@@ -73,10 +73,11 @@ def _resize_train_save(ckpts, layout, out):
     return results
 
 
-@pytest.mark.parametrize("layout", ["2", "2x2-mesh"])
+@pytest.mark.parametrize("layout", ["2", "3", "2x2-mesh"])  # 3: uneven rows, old and new
 def test_resize_equals_vanilla_and_trains_saves_and_reloads(tmp_path, layout):
     ckpts = {tied: make_tiny("llama", tmp_path / f"ckpt-{tied}", tied=tied) for tied in (False, True)}
-    per_rank = run_on_ranks(_resize_train_save, 4 if "x" in layout else 2, ckpts, layout, str(tmp_path / "out"))
+    world = 4 if "x" in layout else int(layout)
+    per_rank = run_on_ranks(_resize_train_save, world, ckpts, layout, str(tmp_path / "out"))
     for (_tied, new, pad, _), results in zip(CASES, zip(*per_rank, strict=True), strict=True):
         for size, same, grads, saved, reloaded_size in results:
             assert size == (new if pad is None else -(-new // pad) * pad) and reloaded_size == size
