@@ -12,7 +12,8 @@ Points: "load.read" (after the headers, before the weights are read), "forward",
 save_pretrained's files half written), "save.commit" (staged, nothing moved yet), "save.commit.mid"
 (half the files moved), "state.write" (a training state's files written, before they are
 committed), "state.commit" (about to replace the old training state), "state.commit.aside" (the
-fallback's old folder renamed aside, the new one not yet in place). A point name that does not exist
+fallback's old folder renamed aside, the new one not yet in place), "resize.draw" (resize_token_embeddings,
+each rank about to run vanilla's resize on the whole matrices). A point name that does not exist
 is an error naming these. Unset, a point costs one dictionary lookup.
 """
 
@@ -32,6 +33,7 @@ POINTS = (
     "state.write",
     "state.commit",
     "state.commit.aside",
+    "resize.draw",
 )
 _hits: dict[tuple[str, str], int] = {}  # by setting: a new HF_RTP_FAULT counts from zero
 

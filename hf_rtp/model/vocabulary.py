@@ -2,11 +2,14 @@
 
 New rows are random (vanilla draws them from the old rows' mean and covariance, or from the init's
 normal), and vanilla draws them through modules of the new size, so only the same draws in the same
-order give the same values. hf_rtp makes them once, where they can be made exactly: the writer (ring
-rank 0 of the first replica, global rank 0 by default) collects the embedding and the untied head
-whole, runs transformers' own `_get_resized_embeddings` / `_get_resized_lm_head` on plain copies, and
-sends every rank its rows of the result, as DDP would send rank 0's values. The writer thus holds the
-old and new matrices whole for the length of the call, which the warning says with their size.
+order give the same values. Under DDP every rank runs the resize, each drawing from its own generator,
+and DDP then broadcasts rank 0's values. hf_rtp does the same: every rank gathers the embedding and the
+untied head whole and runs transformers' own `_get_resized_embeddings` / `_get_resized_lm_head` on
+plain copies, so each rank's random state moves on exactly as a DDP rank's does (a LoRA or a dropout
+mask drawn afterwards is vanilla's); then the writer (ring rank 0 of the first replica, global rank 0
+by default) sends every rank its rows of its result. Each rank thus holds the old and new matrices
+whole for the length of the call, which the warning says with their size; a rank that fails there
+(out of memory) is an error on every rank, naming it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .. import log
+from .. import faults, log
+from ..distributed.agreement import agreed
 from ..distributed.rotated import RotatedTensor
 from ..distributed.sharding import ChunkLayout, chunk_rows
+from ..errors import RotatedStateError
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from ..private.transformers_names import resized_embeddings, resized_lm_head
@@ -46,21 +51,22 @@ def resize_token_embeddings(
         tied = head is not None and head.weight is embedding.weight
         places = _places(topology)
         writer = places.index((0, 0))
-        whole = {"embedding": _collect(embedding.weight, topology)}
+        whole = {"embedding": _whole(embedding.weight)}
         if head is not None and not tied:
-            whole["head"] = _collect(head.weight, topology)
+            whole["head"] = _whole(head.weight)
             if head.bias is not None:
-                whole["head_bias"] = _collect(head.bias, topology)
-        if topology.rank == writer:
-            log.warning(
-                f"resize_token_embeddings: rank {writer} holds the embedding"
-                + (" and the LM head" if len(whole) > 1 else "")
-                + f" whole while it draws vanilla's new rows (about {_megabytes(whole, size):.0f} MB), then every rank "
-                "keeps its rows"
-            )
+                whole["head_bias"] = _whole(head.bias)
+        log.warning(
+            "resize_token_embeddings: every rank holds the embedding"
+            + (" and the LM head" if len(whole) > 1 else "")
+            + f" whole while it runs vanilla's resize (about {_megabytes(whole, size):.0f} MB), drawing from its own "
+            f"generator as a DDP rank does; rank {writer}'s new rows are kept, as DDP keeps rank 0's"
+        )
+        with agreed(topology.control, RotatedStateError):  # a rank out of memory here: every rank's error
+            faults.point("resize.draw")
             whole = _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multiple_of, mean_resizing)
         requires_grad = embedding.weight.requires_grad
-        embedding.weight = _sent(whole.get("embedding"), embedding.weight, size, places, writer, topology)
+        embedding.weight = _sent(whole["embedding"], embedding.weight, size, places, writer, topology)
         embedding.weight.requires_grad_(requires_grad)
         embedding.num_embeddings = size
         if embedding.padding_idx is not None and size - 1 < embedding.padding_idx:
@@ -70,9 +76,9 @@ def resize_token_embeddings(
             if tied:
                 head.weight = embedding.weight
             else:
-                head.weight = _sent(whole.get("head"), head.weight, size, places, writer, topology)
+                head.weight = _sent(whole["head"], head.weight, size, places, writer, topology)
                 if head.bias is not None:
-                    head.bias = _sent(whole.get("head_bias"), head.bias, size, places, writer, topology)
+                    head.bias = _sent(whole["head_bias"], head.bias, size, places, writer, topology)
                 head.weight.requires_grad_(requires_grad)
             head.out_features = size
         for module in (embedding, head):
@@ -108,21 +114,10 @@ def _places(topology) -> list[tuple[int, int]]:
     return places
 
 
-def _collect(param: torch.Tensor, topology) -> torch.Tensor | None:
-    """The whole tensor on the writer (None elsewhere), streamed piece by piece by the ring."""
-    if not isinstance(param, DTensor):
-        return param.detach().clone() if topology.is_writer else None
-    if topology.dp_rank != 0:
-        return None
-    layout = ChunkLayout((param.shape,), topology.rtp_size)
-    chunk = param.to_local().detach()
-    whole = torch.empty(param.shape, dtype=chunk.dtype, device=chunk.device) if topology.is_writer else None
-    row = 0
-    for piece in topology.ring.collect(chunk, layout):  # pieces land in reused slots: copy each at once
-        assert whole is not None  # the ring yields on its rank 0, the writer, only
-        whole[row : row + piece.shape[0]].copy_(piece)
-        row += piece.shape[0]
-    return whole
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank: a rotated one gathered over its ring (each replica's ring holds it all)."""
+    with torch.no_grad():
+        return param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
 
 
 def _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multiple_of, mean_resizing):
@@ -144,13 +139,12 @@ def _vanilla_resize(model, embedding, whole, tied, new_num_tokens, pad_to_multip
     return out
 
 
-def _sent(whole: torch.Tensor | None, old: torch.Tensor, size: int, places, writer: int, topology) -> nn.Parameter:
+def _sent(whole: torch.Tensor, old: torch.Tensor, size: int, places, writer: int, topology) -> nn.Parameter:
     """This rank's part of the writer's `whole`: its rows if `old` was rotated, else all of it."""
     shape = torch.Size((size, *old.shape[1:]))
     like = local(old).detach()
-    assert topology.rank != writer or whole is not None  # the writer resized it
     if not isinstance(old, RotatedTensor):
-        received = whole if whole is not None and topology.rank == writer else like.new_empty(shape)
+        received = whole if topology.rank == writer else like.new_empty(shape)
         dist.broadcast(received, src=writer, group=topology.group)
         return nn.Parameter(received)
     ring = topology.rtp_size
@@ -162,7 +156,7 @@ def _sent(whole: torch.Tensor | None, old: torch.Tensor, size: int, places, writ
         for _, ring_rank in places:
             start, end = chunk_rows(size, ring, ring_rank)
             padded = like.new_zeros((widest, *shape[1:]))
-            padded[: end - start] = whole[start:end]  # type: ignore[index]  # the writer's, checked above
+            padded[: end - start] = whole[start:end]
             pieces.append(padded)
     dist.scatter(mine, pieces, src=writer, group=topology.group)
     start, end = chunk_rows(size, ring, topology.rtp_rank)

@@ -85,3 +85,50 @@ def test_resize_equals_vanilla_and_trains_saves_and_reloads(tmp_path, layout):
             # float64 model; the fused loss's float32 island rounds differently from vanilla's (support/compare.py)
             assert max(grads.values()) < GRAD_ATOL, grads
             assert max(saved.values()) < GRAD_ATOL, saved
+
+
+def _draws_after_writer_steps(ckpt):
+    """What a DDP rank's generator gives after the call, and a LoRA made after a resize, beside vanilla."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    seen = {}
+    # each rank seeds its own generator differently: vanilla's draws after the call are then its own
+    for step in ("resize", "head"):
+        draws = []
+        for load in (AutoModelForCausalLM.from_pretrained, hf_rtp.from_pretrained):
+            torch.manual_seed(100 + rank)
+            if step == "resize":
+                load(ckpt, dtype=torch.float32).resize_token_embeddings(VOCAB + 6)
+            else:  # a classifier head the causal LM checkpoint lacks: initialised as vanilla does
+                kwargs = {"auto_class": AutoModelForSequenceClassification} if load is hf_rtp.from_pretrained else {}
+                (load if kwargs else AutoModelForSequenceClassification.from_pretrained)(ckpt, num_labels=2, **kwargs)
+            draws.append(torch.rand(4).tolist())
+        seen[step] = draws
+    # one seed on every rank: a LoRA made after a resize is the same on every rank, and vanilla's
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=True)
+    adapters = []
+    for load in (AutoModelForCausalLM.from_pretrained, hf_rtp.from_pretrained):
+        model = load(ckpt, dtype=torch.float32)
+        torch.manual_seed(5)
+        model.resize_token_embeddings(VOCAB + 6)
+        lora = get_peft_model(model, config)
+        adapters.append({n: p.detach().tolist() for n, p in lora.named_parameters() if "lora_A" in n})
+    seen["lora"] = adapters
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_ranks_random_state_after_a_resize_or_a_head_init_is_a_ddp_ranks(tmp_path, world):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    per_rank = run_on_ranks(_draws_after_writer_steps, world, ckpt)
+    for rank, seen in enumerate(per_rank):
+        for step in ("resize", "head"):
+            vanilla, ours = seen[step]
+            assert ours == vanilla, (rank, step)
+        vanilla, ours = seen["lora"]
+        assert ours and ours == vanilla, rank
+        assert ours == per_rank[0]["lora"][1], rank  # the same on every rank
