@@ -14,6 +14,10 @@ Likewise `peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm`: PEFT computes 
 `W + scale * B @ A` with the base weight as it finds it, which on a rotated layer is a Shard(0) DTensor,
 and the sharded norm then breaks the forward. The stand-in takes PEFT's own norm (each rank's rows, the
 same arithmetic row by row) and gathers the [out_features] vector whole; PEFT detaches it anyway.
+And its `forward` on a rotated base layer: with `lora_dropout > 0` PEFT recomputes the base output as
+`F.linear(x, base_layer.weight)` on the dropped-out input, which on the rotated weight leaked a DTensor
+into the hidden states; the stand-in runs the rotated layer itself there, and takes a bias back out
+gathered whole (PEFT subtracted the rotated bias, the same leak on biased layers).
 
 And `trainable_token_indices` (PEFT's TrainableTokensLayer) on a rotated embedding or tied head: PEFT
 reads the chosen rows with `weight[indices]` and merges them into a whole copy of the weight at every
@@ -81,6 +85,7 @@ def make_peft_use_global_features() -> None:
         if name.startswith("peft.") and getattr(module, "_get_in_out_features", None) is original:
             setattr(module, "_get_in_out_features", get_in_out_features)  # noqa: B010 (a module's global)
     _stand_in_for_dora_norm()
+    _stand_in_for_dora_forward()
     _stand_in_for_trainable_tokens()
     _refuse_merges_peft_gets_wrong()
 
@@ -99,6 +104,45 @@ def _stand_in_for_dora_norm() -> None:
 
     setattr(get_weight_norm, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm")
     DoraLinearLayer.get_weight_norm = get_weight_norm  # type: ignore[method-assign]  # the stand-in, see above
+
+
+def _stand_in_for_dora_forward() -> None:
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    original = DoraLinearLayer.forward
+    if getattr(original, _MARK, None) is not None:
+        return
+
+    @functools.wraps(original)
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
+        if not isinstance(base_layer, (RotatedLinear, RotatedConv1D)):
+            return original(
+                self,
+                x,
+                lora_A=lora_A,
+                lora_B=lora_B,
+                scaling=scaling,
+                base_layer=base_layer,
+                base_result=base_result,
+                adapter_name=adapter_name,
+            )
+        # PEFT 0.21's arithmetic, line for line, with two rotated-safe steps
+        lora_weight = self.get_lora_weight(lora_A=lora_A, lora_B=lora_B, adapter_name=adapter_name).to(x.dtype)
+        weight = base_layer.weight.to(x.dtype)
+        weight_norm = self.get_weight_norm(
+            weight=weight, lora_weight=lora_weight.detach(), scaling=scaling, adapter_name=adapter_name
+        ).detach()  # DoRA's norm is a constant (section 4.3 of the paper), as in PEFT
+        mag_norm_scale = (self.weight / weight_norm).view(1, -1)
+        lora_result = lora_B(lora_A(x))
+        if base_result is None:  # lora_dropout > 0: PEFT runs F.linear on the dropped-out input, here the ring does
+            base_result = base_layer(x)
+        bias = base_layer.bias
+        if bias is not None:  # DoRA scales the map without its bias; a rotated bias gathered whole
+            base_result = base_result - (whole(bias) if isinstance(bias, DTensor) else bias).to(base_result.dtype)
+        return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
+
+    setattr(forward, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.forward")
+    DoraLinearLayer.forward = forward  # type: ignore[method-assign]  # the stand-in, see the module's docstring
 
 
 def adapter_state_dict(model) -> dict | None:
