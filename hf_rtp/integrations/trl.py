@@ -16,7 +16,8 @@ Likewise `create_model_from_path`, with which DPOTrainer and GRPOTrainer build t
 from the policy's path after Trainer.__init__: called by an adopted trainer whose policy is rotated,
 for the policy's own path, it loads the reference rotated like the policy (the same ring and plan),
 so no rank holds a whole copy; every other call goes to TRL's. A reward model that GRPOTrainer loaded
-by name before Trainer.__init__ is whole on every rank: adoption says so in a warning, with its size.
+by name before Trainer.__init__ is whole on every rank: adoption says so in a warning, with its size; so
+is a reference or teacher model that is whole when hf_rtp attaches (built before a delayed attachment).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def adopt(trainer) -> None:
     """Route `add_fused_lm_head` and `create_model_from_path` of every TRL module in `trainer`'s class
     hierarchy through hf_rtp."""
     _warn_whole_reward_models(trainer)
+    _warn_whole_references(trainer)
     modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
     for name, replacement in (
         ("add_fused_lm_head", add_fused_lm_head),
@@ -119,6 +121,22 @@ def _warn_whole_reward_models(trainer) -> None:
                 f"{type(trainer).__name__}'s reward model {type(reward).__name__} is whole on every rank "
                 f"({_bytes_here(reward) / 2**20:.1f} MB each) beside a rotated policy. To rotate it too, pass "
                 "reward_funcs=hf_rtp.AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)"
+            )
+
+
+def _warn_whole_references(trainer) -> None:
+    """A reference or teacher model that is already whole when hf_rtp attaches: TRL built it with vanilla
+    from_pretrained before the attachment (place_model_on_device=False, bf16_full_eval or fp16_full_eval
+    delay it to the first forward), or the user passed one. Its memory is spent: say so, with the call."""
+    for attribute in ("ref_model", "teacher_model"):
+        reference = getattr(trainer, attribute, None)
+        if isinstance(reference, nn.Module) and not is_rotated(reference):
+            log.warning(
+                f"{type(trainer).__name__}.{attribute} ({type(reference).__name__}) is a whole copy on every rank "
+                f"({_bytes_here(reference) / 2**20:.1f} MB each) beside a rotated policy: it was built before hf_rtp "
+                "attached to the trainer (TrainingArguments' place_model_on_device=False, bf16_full_eval or "
+                f"fp16_full_eval delay that to the first forward), or passed whole. To rotate it, pass "
+                f"{attribute}=hf_rtp.from_pretrained(path) to {type(trainer).__name__}"
             )
 
 

@@ -10,6 +10,7 @@ policy warned about.
 
 import os
 
+import pytest
 import torch
 from support.models import make_tiny, tiny_tokenizer
 from support.spawn import run_on_ranks
@@ -165,3 +166,41 @@ def test_grpo_with_a_kl_term_gets_a_rotated_reference_and_matches_vanilla_ddp(tm
             )
         assert logged[-1][1] > 0  # the KL to the reference is in the loss: the reference was used
         torch.testing.assert_close(logged, vanilla_logged, atol=1e-6, rtol=1e-6)  # loss, KL, reward
+
+
+def _delayed_attachment(ckpt, out, flag):
+    """DPOTrainer(ref_model=None) whose Trainer.__init__ does not place the model: hf_rtp attaches at the
+    first forward, after TRL built the reference whole. Returns what rank 0 logged, and the reference."""
+    import logging
+
+    from trl import DPOConfig, DPOTrainer
+
+    import hf_rtp
+
+    class Unplaced(DPOConfig):
+        @property
+        def place_model_on_device(self):
+            return False
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("hf_rtp").addHandler(handler)
+    settings = dict(output_dir=out, max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True)
+    settings.update(disable_tqdm=True, save_strategy="no", bf16=False, dataset_num_proc=None)
+    config = DPOConfig(**settings, bf16_full_eval=True) if flag == "bf16_full_eval" else Unplaced(**settings)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    trainer = DPOTrainer(model=model, args=config, train_dataset=_pairs(), processing_class=tiny_tokenizer())
+    trainer.train()
+    return records, hf_rtp.is_rotated(trainer.ref_model)
+
+
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "place_model_on_device=False"])
+def test_a_whole_reference_built_before_a_delayed_attachment_is_warned_with_its_size(tmp_path, flag):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    (records, rotated), _ = run_on_ranks(_delayed_attachment, 2, ckpt, str(tmp_path / "out"), flag)
+    assert not rotated  # TRL built it before hf_rtp could: its memory is spent, so it is said
+    warned = [r for r in records if "DPOTrainer.ref_model" in r]
+    assert len(warned) == 1, records
+    assert "whole copy on every rank" in warned[0] and " MB each" in warned[0], warned[0]
+    assert "ref_model=hf_rtp.from_pretrained(path)" in warned[0], warned[0]
