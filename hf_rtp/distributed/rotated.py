@@ -51,6 +51,14 @@ _C10D_REFUSED = (
 )
 
 
+_MIXED_REFUSED = (
+    "{op} mixed a rotated tensor with a plain one DTensor cannot place (it raised a bare AssertionError). The "
+    "usual cause is an optimizer that keeps statistics over a whole weight in plain tensors, such as "
+    "transformers' Adafactor (its factored second moment averages over all rows, which each rank holds only "
+    "part of): use torch.optim.AdamW, Adam or SGD (Trainer: optim='adamw_torch') with a rotated model."
+)
+
+
 class RotationMesh(DeviceMesh):
     """The mesh of rotated parameters. Every DTensor derived from one (detached copies, gradients,
     optimizer moments) keeps this mesh, so this is where pickling them is refused: torch.save of a
@@ -169,6 +177,8 @@ class RotatedTensor(DTensor):
             except RuntimeError as err:  # an op that redistributes communicates on the ring
                 _raise_if_skipped(str(func), err)
                 raise
+            except AssertionError as err:  # DTensor's, without a message: say what it means here
+                raise RotatedStateError(_MIXED_REFUSED.format(op=func)) from err
         finally:
             set_implicit_replication(allowed)
             for t in rotated:

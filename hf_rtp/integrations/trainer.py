@@ -63,6 +63,9 @@ _CALLERS = (
 )
 
 
+_REFUSED_OPTIMIZERS = ("adafactor",)
+
+
 def attach_trainer(trainer):
     """Make `trainer` save, resume and load its rotated model collectively and data-parallel correctly.
 
@@ -83,8 +86,17 @@ def _attach(trainer, model):
     check_processes(
         trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)"
     )
-    if getattr(trainer.args, "torch_compile", False) and state_of(model).topology.world_size > 1:
-        raise RotatedStateError(COMPILE_REFUSED)  # at construction, not as dynamo's error at the first step
+    if state_of(model).topology.world_size > 1:  # refused at construction, not at the first step
+        if getattr(trainer.args, "torch_compile", False):
+            raise RotatedStateError(COMPILE_REFUSED)
+        optim = getattr(trainer.args, "optim", None)
+        optim = getattr(optim, "value", optim)  # an OptimizerNames member, or its string
+        if optim in _REFUSED_OPTIMIZERS:
+            raise RotatedStateError(
+                f"TrainingArguments(optim={optim!r}) is not supported with a rotated model: Adafactor's "
+                "factored second moment averages over all rows of a weight, and each rank holds only its rows. Use "
+                "optim='adamw_torch' (or another torch optimizer)"
+            )
     _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))

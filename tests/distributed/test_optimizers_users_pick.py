@@ -1,5 +1,6 @@
 """Optimizers and loss scalers users pick beside a rotated model: equal to vanilla DDP in the same
-processes, or refused by name (ZeroRedundancyOptimizer: the rows are already sharded)."""
+processes, or refused by name (ZeroRedundancyOptimizer: the rows are already sharded; Adafactor: its
+factored second moment needs whole columns)."""
 
 import os
 
@@ -76,3 +77,26 @@ def test_zero_redundancy_optimizer_is_refused_by_name(tmp_path):
     for message in run_on_ranks(_zero, 2, make_tiny_llama(tmp_path / "ckpt")):
         assert message is not None and "on a rotated tensor" in message
         assert "ZeroRedundancyOptimizer has nothing left to shard" in message and "torch.optim.AdamW" in message
+
+
+def _adafactor(ckpt, out):
+    from transformers import Adafactor, Trainer, TrainingArguments
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    batch = global_batch(2)[int(os.environ["RANK"])]
+    optimizer = Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
+    model(input_ids=batch, labels=batch).loss.backward()
+    with pytest.raises(hf_rtp.RotatedStateError) as stepped:
+        optimizer.step()
+    args = TrainingArguments(output_dir=out, optim="adafactor", use_cpu=True, report_to=[])
+    with pytest.raises(hf_rtp.RotatedStateError) as built:  # Trainer's optim="adafactor": at construction
+        Trainer(model=model, args=args)
+    return str(stepped.value), str(built.value)
+
+
+def test_adafactor_is_refused_by_name_not_a_bare_assertion(tmp_path):
+    for stepped, built in run_on_ranks(_adafactor, 2, make_tiny_llama(tmp_path / "ckpt"), str(tmp_path / "out")):
+        assert "Adafactor" in stepped and "torch.optim.AdamW" in stepped, stepped
+        assert "optim='adafactor'" in built and "adamw_torch" in built, built
