@@ -7,6 +7,7 @@ that arrive in different calls (one saving while another runs a forward) fail at
 
 from __future__ import annotations
 
+import time
 import zlib
 from datetime import timedelta
 
@@ -38,12 +39,20 @@ def enter(
         return
     mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(world_size)]
+    start = time.monotonic()
     try:
         dist.all_gather(everyone, mine, group=entry)
     except RuntimeError as err:
+        waited = time.monotonic() - start
+        if waited < 0.9 * timeout.total_seconds():  # no timeout: the connection to a peer broke
+            raise CollectiveMisuseError(
+                f"{call} is collective, and rank {rank} lost another {who} after {waited:.1f} s: that rank's process "
+                f"exited or was killed (gloo: {str(err).strip().splitlines()[0][:200]}). Its own error, in its "
+                "log, is the cause; the other ranks cannot go on without it."
+            ) from err
         raise CollectiveMisuseError(
-            f"{call} is collective: every {who} must call it, but rank {rank} waited "
-            f"{timeout.total_seconds():g} s (HF_RTP_ENTRY_TIMEOUT) and not every rank came. "
+            f"{call} is collective: every {who} must call it, but rank {rank} waited {waited:.0f} s "
+            f"(HF_RTP_ENTRY_TIMEOUT is {timeout.total_seconds():g} s) and not every rank came. "
             f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
             "the same number of batches."
         ) from err
