@@ -103,7 +103,7 @@ def _stand_in_for_dora_norm() -> None:
         return whole(norm) if isinstance(norm, RotatedTensor) else norm
 
     setattr(get_weight_norm, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm")
-    DoraLinearLayer.get_weight_norm = get_weight_norm  # type: ignore[method-assign]  # the stand-in, see above
+    DoraLinearLayer.get_weight_norm = get_weight_norm  # the stand-in, see above
 
 
 def _stand_in_for_dora_forward() -> None:
@@ -142,7 +142,7 @@ def _stand_in_for_dora_forward() -> None:
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
 
     setattr(forward, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.forward")
-    DoraLinearLayer.forward = forward  # type: ignore[method-assign]  # the stand-in, see the module's docstring
+    DoraLinearLayer.forward = forward  # the stand-in, see the module's docstring
 
 
 def adapter_state_dict(model) -> dict | None:
@@ -258,4 +258,4 @@ def _refuse_merges_peft_gets_wrong() -> None:
 
     setattr(merge, _MARK, "peft.tuners.lora.layer.Linear.merge")
     setattr(merge_tokens, _MARK, "peft.tuners.trainable_tokens.layer.TrainableTokensLayer.merge")
-    Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens  # type: ignore[method-assign]  # stand-ins
+    Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens  # stand-ins

@@ -44,7 +44,7 @@ def whole_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> Pre
     missing = [n for n, p in whole.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"hf_rtp.whole_model: no weights for {', '.join(missing[:5])}")
-    whole.to(state.topology.device)  # type: ignore[arg-type]  # transformers' to() wrapper hides its signature
+    whole.to(state.topology.device)
     if getattr(model, "generation_config", None) is not None:
         whole.generation_config = copy.deepcopy(model.generation_config)
     size = sum(p.numel() * p.element_size() for p in whole.parameters())

@@ -62,7 +62,7 @@ def _load(
         )
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
-    model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)  # type: ignore[arg-type]  # transformers wraps to()
+    model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device)
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp2":
