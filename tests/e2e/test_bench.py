@@ -87,16 +87,21 @@ def test_bench_refuses_bad_arguments(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
-def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(tmp_path):
+def _bench(tmp_path, capsys, args: list[str]) -> str:
+    """hf_rtp.tools.bench.main in this process, as notebooks/03 calls it (the command line has its own test
+    above): the same runs and files, without a second interpreter importing everything; what it printed."""
+    from hf_rtp.tools.bench import main
+    from hf_rtp.tools.bench.presets import make_preset
+
+    capsys.readouterr()
+    main(["--checkpoint", make_preset("llama-tiny", str(tmp_path / "llama-tiny")), *args])
+    return capsys.readouterr().out
+
+
+def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(tmp_path, capsys):
     out = tmp_path / "out"
     budget = 0.1  # GB per rank: the tiny preset's estimates put DDP at 4 sequences of 128, RTP at 8
-    cmd = [
-        sys.executable,
-        "-m",
-        "hf_rtp",
-        "bench",
-        "--preset",
-        "llama-tiny",
+    args = [
         "--world-sizes",
         "2",
         "--strategies",
@@ -110,29 +115,20 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
         "--output",
         str(out),
     ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, errors="replace", env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    printed = _bench(tmp_path, capsys, args)
     rows = {r["strategy"]: r for r in json.loads((out / "budget.json").read_text())["budget"]}
     for strategy, r in rows.items():
         assert r["batch"] >= 1 and 0 < r["peak_gb"] <= budget, (strategy, r["batch"], r["peak_gb"])
         assert abs(r["tokens_per_s"] - 2 * r["batch"] * 128 / r["step_s"]) < 1e-6 * r["tokens_per_s"]
     assert rows["rtp"]["batch"] > rows["ddp"]["batch"]  # 1/N of the model states leaves room for more tokens
-    assert f"within {budget} GB per rank" in done.stdout
+    assert f"within {budget} GB per rank" in printed
     assert (out / "budget.png").stat().st_size > 0
 
 
-def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(tmp_path):
+def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(tmp_path, capsys):
     # 16 tokens: this CPU has no bf16 matmul instructions (a bf16 matmul runs ~50x slower than float32)
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hf_rtp",
-        "bench",
-        "--preset",
-        "llama-tiny",
+    args = [
         "--world-sizes",
         "2",
         "--strategies",
@@ -149,27 +145,18 @@ def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(t
         "--output",
         str(out),
     ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, errors="replace", env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    printed = _bench(tmp_path, capsys, args)
     result = json.loads((out / "results.json").read_text())
-    assert result["settings"]["autocast"] and "bf16 autocast" in done.stdout
+    assert result["settings"]["autocast"] and "bf16 autocast" in printed
     rows = {r["strategy"]: r for r in result["results"]}
     assert set(rows) == {"fsdp2", "rtp"}
     # both train on rank 0's first batch from the same weights under the same autocast: the same loss
     assert abs(rows["fsdp2"]["loss_first"] - rows["rtp"]["loss_first"]) < 1e-2
 
 
-def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
+def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys):
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hf_rtp",
-        "bench",
-        "--preset",
-        "llama-tiny",
+    args = [
         "--world-sizes",
         "2",
         "--generate",
@@ -181,10 +168,7 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
         "--output",
         str(out),
     ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, errors="replace", env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    printed = _bench(tmp_path, capsys, args)
     rows = json.loads((out / "generate.json").read_text())["decode"]
     expected = [(s, b) for s in ("ddp", "rtp", "rtp-whole", "tp") for b in (1, 3)]
     assert sorted((r["strategy"], r["batch"]) for r in rows) == expected
@@ -193,4 +177,4 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path):
         sequences = r["batch"] * (1 if r["strategy"] == "tp" else 2)  # TP decodes one batch on both ranks
         assert abs(r["tokens_per_s"] - sequences * 4 / r["seconds"]) < 1e-6 * r["tokens_per_s"]
         assert r["peak_gb"] > 0
-    assert "N=2 batch 3: rtp/ddp: tokens/s" in done.stdout and (out / "generate.png").stat().st_size > 0
+    assert "N=2 batch 3: rtp/ddp: tokens/s" in printed and (out / "generate.png").stat().st_size > 0
