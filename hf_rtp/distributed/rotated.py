@@ -161,7 +161,7 @@ class RotatedTensor(DTensor):
         # this op's rotated arguments to DTensor for the call (and back) does the same for a third of the cost
         rotated = [t for t in _tensors(args) if type(t) is RotatedTensor]
         rotated += [t for t in _tensors((kwargs or {}).values()) if type(t) is RotatedTensor]
-        if rotated and func.namespace == "c10d":
+        if rotated and getattr(func, "namespace", None) == "c10d":
             raise RotatedStateError(_C10D_REFUSED.format(op=func))
         if func is amp_unscale and not isinstance(args[0][0], DTensor):
             # in place per tensor, one found_inf for all: the order is free, and DTensor's handler wants a
