@@ -7,6 +7,7 @@ that arrive in different calls (one saving while another runs a forward) fail at
 
 from __future__ import annotations
 
+import socket
 import time
 import zlib
 from datetime import timedelta
@@ -31,10 +32,17 @@ _CALLS = {
 
 
 def enter(
-    call: str, entry: dist.ProcessGroup | None, rank: int, world_size: int, timeout: timedelta, who: str = "rank"
+    call: str,
+    entry: dist.ProcessGroup | None,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    who: str = "rank",
+    processes: tuple[tuple[str, int], ...] = (),
 ) -> None:
     """Meet every other rank (`who`: every rank of the ring, say) at the start of `call` on the `entry`
-    group, or fail on every rank that came."""
+    group, or fail on every rank that came. `processes`, every global rank's (host, pid), lets a failure
+    name the ranks on this host whose process is gone or stopped."""
     if world_size == 1:
         return
     mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
@@ -46,13 +54,17 @@ def enter(
         waited = time.monotonic() - start
         if waited < 0.9 * timeout.total_seconds():  # no timeout: the connection to a peer broke
             raise CollectiveMisuseError(
-                f"{call} is collective, and rank {rank} lost another {who} after {waited:.1f} s: that rank's process "
-                f"exited or was killed (gloo: {str(err).strip().splitlines()[0][:200]}). Its own error, in its "
-                "log, is the cause; the other ranks cannot go on without it."
+                f"{call} is collective, and rank {rank} lost another {who} after {waited:.1f} s: "
+                f"{_missing(processes) or 'a rank'}'s process exited or was killed (gloo: "
+                f"{str(err).strip().splitlines()[0][:200]}). Its own error, in its log, is the cause; the other "
+                "ranks cannot go on without it."
             ) from err
+        missing = _missing(processes)
         raise CollectiveMisuseError(
             f"{call} is collective: every {who} must call it, but rank {rank} waited {waited:.0f} s "
-            f"(HF_RTP_ENTRY_TIMEOUT is {timeout.total_seconds():g} s) and not every rank came. "
+            f"(HF_RTP_ENTRY_TIMEOUT is {timeout.total_seconds():g} s) and not every rank came"
+            + (f" ({missing} is stopped or gone)" if missing else "")
+            + ". "
             f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
             "the same number of batches."
         ) from err
@@ -64,3 +76,24 @@ def enter(
             + ", ".join(f"{who} {r}: {n}" for r, n in enumerate(names))
             + ". Every rank must make the same calls in the same order."
         )
+
+
+def _missing(processes: tuple[tuple[str, int], ...]) -> str:
+    """ "rank 1" / "ranks 1, 3": ranks on this host whose process has exited, is a zombie or is stopped
+    (SIGSTOP, a debugger); "" when none is, or when they run on other hosts, which cannot be looked at."""
+    host = socket.gethostname()
+    found = [r for r, (where, pid) in enumerate(processes) if where == host and _state(pid) in ("gone", "Z", "T", "t")]
+    if not found:
+        return ""
+    return ("rank " if len(found) == 1 else "ranks ") + ", ".join(map(str, found))
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (R, S, Z, T, ...), "gone" if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return "?"

@@ -12,6 +12,7 @@ Every collective runs on hf_rtp's own groups (groups.py); calls every rank must 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -49,6 +50,8 @@ class Topology:
     """which replica (row of the grid) this rank belongs to"""
     dp_size: int
     """how many replicas (rows of the grid)"""
+    processes: tuple[tuple[str, int], ...] = ()
+    """(host, pid) of every rank, by global rank: where a rank that is gone can be looked up"""
 
     @property
     def rtp_rank(self) -> int:
@@ -68,7 +71,7 @@ class Topology:
     def enter(self, call: str) -> None:
         """Meet every other rank at the start of a collective `call`, or fail on every rank that came
         (rendezvous.enter)."""
-        rendezvous.enter(call, self.entry, self.rank, self.world_size, self.entry_timeout)
+        rendezvous.enter(call, self.entry, self.rank, self.world_size, self.entry_timeout, processes=self.processes)
 
 
 def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: int | None = None) -> Topology:
@@ -96,7 +99,7 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     control = group("control", everyone, "gloo", timeout)
     with agreed(control, TopologyError):  # one rank's bad layout is everyone's error, not a hang
         rows = rings(device_mesh, rtp_size, world)
-    _agree_on_rings(rows, control)  # before any group of a ring: ranks asking for other groups would hang
+    processes = _agree_on_rings(rows, control)  # before any group of a ring: ranks asking for other groups would hang
     # Groups are made once per set of ranks, every rank making every group in one order (new_group is
     # collective over the world): per ring its own group for the ring (invariant I5 in DESIGN.md) and one
     # for its mesh; per column of the grid one to average rotated gradients over replicas; over everyone
@@ -118,7 +121,18 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
             mesh_groups[row], device.type, replicas, replica_count, ring_entries[row], settings.entry_timeout
         )
     return Topology(
-        rank, world, device, mesh, ring, control, entry, settings.entry_timeout, world_group, dp_rank, len(rows)
+        rank,
+        world,
+        device,
+        mesh,
+        ring,
+        control,
+        entry,
+        settings.entry_timeout,
+        world_group,
+        dp_rank,
+        len(rows),
+        processes,
     )
 
 
@@ -162,19 +176,21 @@ def rings(device_mesh: DeviceMesh | None, rtp_size: int | None, world: int) -> l
     return rows
 
 
-def _agree_on_rings(rows: list[tuple[int, ...]], control: dist.ProcessGroup) -> None:
+def _agree_on_rings(rows: list[tuple[int, ...]], control: dist.ProcessGroup) -> tuple[tuple[str, int], ...]:
+    """Every rank asked for the same rings; returns every rank's (host, pid), gathered in the same call."""
     everyone: list = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(everyone, rows, group=control)
+        dist.all_gather_object(everyone, (rows, socket.gethostname(), os.getpid()), group=control)
     except RuntimeError as err:
         raise TopologyError(
             f"rank {dist.get_rank()} could not agree on the rings with the other ranks "
             f"({str(err).splitlines()[0][:200]}): "
             "every rank must call from_pretrained"
         ) from err
-    if any(theirs != rows for theirs in everyone):
-        layouts = sorted({str([len(r) for r in theirs]) for theirs in everyone})
+    if any(theirs != rows for theirs, _, _ in everyone):
+        layouts = sorted({str([len(r) for r in theirs]) for theirs, _, _ in everyone})
         raise TopologyError(
             f"ranks asked for different rings ({', '.join(layouts)} ranks per ring): pass the same rtp_size or "
             "device_mesh on every rank"
         )
+    return tuple((host, pid) for _, host, pid in everyone)
