@@ -54,9 +54,16 @@ REFUSED = {
     "adapter_name": "hf_rtp does not apply PEFT adapters at load",
     "adapter_kwargs": "hf_rtp does not apply PEFT adapters at load",
 }
-_DEFAULTS: dict[str, Any] = {"offload_buffers": False, "use_kernels": False, "allow_all_kernels": False}
-_DEFAULTS.update({"trust_remote_code": False, "force_download": False, "ignore_mismatched_sizes": False})
-_DEFAULTS.update({"adapter_name": "default"})
+# vanilla's defaults of the refused keywords that have one besides None: passing those is not a request
+_DEFAULTS: dict[str, Any] = {
+    "offload_buffers": False,
+    "use_kernels": False,
+    "allow_all_kernels": False,
+    "trust_remote_code": False,
+    "force_download": False,
+    "ignore_mismatched_sizes": False,
+    "adapter_name": "default",
+}
 
 # honoured by from_pretrained's own parameters, or below
 HONOURED = (

@@ -25,7 +25,7 @@ def _config():
     )
 
 
-def _dora_with_dropout(ckpt):
+def _dora_with_dropout(ckpt, plan):
     from peft import get_peft_model
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
@@ -34,7 +34,7 @@ def _dora_with_dropout(ckpt):
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    model = get_peft_model(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), _config()).train()
+    model = get_peft_model(hf_rtp.from_pretrained(ckpt, dtype=torch.float64, plan=plan), _config()).train()
     torch.manual_seed(0)
     vanilla = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), _config()).train()
     ddp = DistributedDataParallel(vanilla)
@@ -55,10 +55,11 @@ def _dora_with_dropout(ckpt):
     return losses, grads
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_dora_with_dropout_equals_vanilla_peft_under_ddp(tmp_path, world):
-    ckpt = make_tiny("llama", tmp_path / "ckpt")
-    for rank, (losses, grads) in enumerate(run_on_ranks(_dora_with_dropout, world, ckpt)):
+@pytest.mark.parametrize(("arch", "world"), [("llama", 2), ("llama", 3), ("qwen2", 2)])  # qwen2: q/v with biases
+def test_dora_with_dropout_equals_vanilla_peft_under_ddp(tmp_path, arch, world):
+    ckpt = make_tiny(arch, tmp_path / "ckpt")
+    plan = "auto" if arch == "qwen2" else None  # make_tiny's qwen2 is loaded with plan="auto" (support/models.py)
+    for rank, (losses, grads) in enumerate(run_on_ranks(_dora_with_dropout, world, ckpt, plan)):
         assert abs(losses[0] - losses[1]) < 1e-6, (rank, losses)
         assert any("lora_magnitude_vector" in n for n in grads) and any("lora_A" in n for n in grads)
         # float64 model; hf_rtp's fused loss is a float32 island (support/compare.py)

@@ -38,6 +38,7 @@ def _save_and_push(ckpt, folder, vanilla_folder):
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
     model.save_pretrained(folder, push_to_hub=True, repo_id="me/saved", **kwargs)
     model.push_to_hub("me/pushed", commit_message="second", tags=["mine"], **kwargs)
+    model.push_to_hub("me/sharded", max_shard_size="20KB", **kwargs)  # an index and its shards
     if torch.distributed.get_rank() == 0:  # vanilla, beside it: what a DDP script's main process pushes
         vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         vanilla.save_pretrained(vanilla_folder, push_to_hub=True, repo_id="me/vanilla", **kwargs)
@@ -63,7 +64,13 @@ def test_push_publishes_exactly_the_files_the_save_wrote_as_vanilla_does(tmp_pat
         run_on_ranks(_save_and_push, 2, ckpt, str(folder), str(vanilla_folder), env=env, fresh=True)
 
     commits = {c["repo"]: c for c in hub.commits}
-    assert sorted(commits) == ["me/pushed", "me/saved", "me/vanilla"]  # one commit per push: the writer's
+    assert sorted(commits) == ["me/pushed", "me/saved", "me/sharded", "me/vanilla"]  # one per push: the writer's
+    sharded = set(commits["me/sharded"]["files"])
+    shards = {n for n in sharded if n.startswith("model-") and n.endswith(".safetensors")}
+    assert len(shards) > 1 and sharded == shards | {"model.safetensors.index.json", "config.json"} | {
+        "generation_config.json",
+        "README.md",
+    }
     saved, pushed, vanilla = commits["me/saved"], commits["me/pushed"], commits["me/vanilla"]
     checkpoint = {"config.json", "generation_config.json", "model.safetensors"}
     assert set(vanilla["files"]) == checkpoint | {"README.md"}
@@ -74,7 +81,7 @@ def test_push_publishes_exactly_the_files_the_save_wrote_as_vanilla_does(tmp_pat
     assert b"- mine" in pushed["files"]["README.md"] and b"library_name: transformers" in pushed["files"]["README.md"]
     assert saved["message"] == vanilla["message"] == "Upload LlamaForCausalLM" and pushed["message"] == "second"
     created = [body for method, path, body in hub.requests if path == "/api/repos/create"]
-    assert [body["visibility"] for body in created] == ["private"] * 3
+    assert [body["visibility"] for body in created] == ["private"] * 4
     # the user's files are where they were, as they were
     assert (folder / "README.md").read_text() == "the user's own readme"
     assert (folder / "checkpoint-5" / "optimizer.pt").read_bytes() == b"private optimizer state"

@@ -97,12 +97,12 @@ def _draws_after_writer_steps(ckpt):
     rank = int(os.environ["RANK"])
     seen = {}
     # each rank seeds its own generator differently: vanilla's draws after the call are then its own
-    for step in ("resize", "head"):
+    for step in ("resize", "resize without mean_resizing", "head"):
         draws = []
         for load in (AutoModelForCausalLM.from_pretrained, hf_rtp.from_pretrained):
             torch.manual_seed(100 + rank)
-            if step == "resize":
-                load(ckpt, dtype=torch.float32).resize_token_embeddings(VOCAB + 6)
+            if step.startswith("resize"):  # the covariance draw, or the init's normal over the new rows
+                load(ckpt, dtype=torch.float32).resize_token_embeddings(VOCAB + 6, mean_resizing="without" not in step)
             else:  # a classifier head the causal LM checkpoint lacks: initialised as vanilla does
                 kwargs = {"auto_class": AutoModelForSequenceClassification} if load is hf_rtp.from_pretrained else {}
                 (load if kwargs else AutoModelForSequenceClassification.from_pretrained)(ckpt, num_labels=2, **kwargs)
@@ -126,7 +126,7 @@ def test_every_ranks_random_state_after_a_resize_or_a_head_init_is_a_ddp_ranks(t
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     per_rank = run_on_ranks(_draws_after_writer_steps, world, ckpt)
     for rank, seen in enumerate(per_rank):
-        for step in ("resize", "head"):
+        for step in ("resize", "resize without mean_resizing", "head"):
             vanilla, ours = seen[step]
             assert ours == vanilla, (rank, step)
         vanilla, ours = seen["lora"]

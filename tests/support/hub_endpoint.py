@@ -72,7 +72,7 @@ def _handler(hub: HubEndpoint):
             if path == "/api/repos/create":
                 repo = f"{body['organization']}/{body['name']}" if body.get("organization") else body["name"]
                 self._reply(200, {"url": f"{hub.url}/{repo}", "name": repo})
-            elif (pre := re.fullmatch(r"/api/models/.+/preupload/[^/]+", path)) is not None and pre:
+            elif re.fullmatch(r"/api/models/.+/preupload/[^/]+", path):
                 files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in body["files"]]
                 self._reply(200, {"files": files})
             else:  # validate-yaml, branch creation

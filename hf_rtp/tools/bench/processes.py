@@ -68,6 +68,7 @@ def rank_env(rank: int, world_size: int, port: int, threads: int = 1, extra: dic
 
 
 _server: RankServer | None = None
+_START_TIMEOUT_S = 600  # the server's imports and forks, when the run itself has no timeout
 
 
 @contextlib.contextmanager
@@ -102,7 +103,7 @@ class RankServer:
         self._pending = b""
         self._runs = 0
 
-    def launch(self, module: str, args: list[str], world_size: int, port: int) -> _Forked:
+    def launch(self, module: str, args: list[str], world_size: int, port: int, timeout: float | None) -> _Forked:
         self._runs += 1
         ranks = [
             {
@@ -115,7 +116,10 @@ class RankServer:
         assert self.proc.stdin is not None  # a pipe, from Popen above
         self.proc.stdin.write((json.dumps({"module": module, "args": args, "ranks": ranks}) + "\n").encode())
         self.proc.stdin.flush()
-        pids = self.answer(None)["pids"]
+        try:  # the first answer also waits for the server's imports
+            pids = self.answer(_START_TIMEOUT_S if timeout is None else timeout)["pids"]
+        except TimeoutError:
+            raise RuntimeError(f"the bench's rank server did not start `{module}`'s ranks within the timeout") from None
         return _Forked(self, pids, ranks)
 
     def answer(self, timeout: float | None) -> dict:
@@ -211,7 +215,7 @@ def run_ranks(
     `preloaded_ranks` the ranks are forks of its server (extra_env needs fresh interpreters)."""
     port = free_port()
     ranks = (
-        _server.launch(module, args, world_size, port)
+        _server.launch(module, args, world_size, port, timeout)
         if _server is not None and extra_env is None
         else _Started(module, args, world_size, port, threads, extra_env)
     )
