@@ -7,6 +7,7 @@ that arrive in different calls (one saving while another runs a forward) fail at
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import zlib
@@ -42,7 +43,8 @@ def enter(
 ) -> None:
     """Meet every other rank (`who`: every rank of the ring, say) at the start of `call` on the `entry`
     group, or fail on every rank that came. `processes`, every global rank's (host, pid), lets a failure
-    name the ranks on this host whose process is gone or stopped."""
+    name the ranks on this host whose process is gone or stopped, or else those on any host that do not
+    answer a roll call."""
     if world_size == 1:
         return
     mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
@@ -52,18 +54,22 @@ def enter(
         dist.all_gather(everyone, mine, group=entry)
     except RuntimeError as err:
         waited = time.monotonic() - start
+        gone, absent = _missing(processes), ""
+        if not gone:
+            absent = _absent(call, rank, processes)
         if waited < 0.9 * timeout.total_seconds():  # no timeout: the connection to a peer broke
+            who_exited = f"{gone}'s process" if gone else f"the process of {absent}" if absent else "a rank's process"
             raise CollectiveMisuseError(
                 f"{call} is collective, and rank {rank} lost another {who} after {waited:.1f} s: "
-                f"{_missing(processes) or 'a rank'}'s process exited or was killed (gloo: "
+                f"{who_exited} exited or was killed (gloo: "
                 f"{str(err).strip().splitlines()[0][:200]}). Its own error, in its log, is the cause; the other "
                 "ranks cannot go on without it."
             ) from err
-        missing = _missing(processes)
         raise CollectiveMisuseError(
             f"{call} is collective: every {who} must call it, but rank {rank} waited {waited:.0f} s "
             f"(HF_RTP_ENTRY_TIMEOUT is {timeout.total_seconds():g} s) and not every rank came"
-            + (f" ({missing} is stopped or gone)" if missing else "")
+            + (f" ({gone} is stopped or gone)" if gone else "")
+            + (f" ({absent}: gone, stopped or in another call)" if absent else "")
             + ". "
             f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
             "the same number of batches."
@@ -86,6 +92,43 @@ def _missing(processes: tuple[tuple[str, int], ...]) -> str:
     if not found:
         return ""
     return ("rank " if len(found) == 1 else "ranks ") + ", ".join(map(str, found))
+
+
+ROLL_CALL_S = 5.0
+"""How long the ranks whose meet failed wait for each other at the roll call (_absent)."""
+_roll_calls = 0
+
+
+def _absent(call: str, rank: int, processes: tuple[tuple[str, int], ...]) -> str:
+    """ "rank 2 on node-b, which did not answer within 5 s": the ranks that did not answer a roll call, for
+    when no process this host can look at is gone (_missing). Every rank whose meet failed records itself
+    in the launcher's store (MASTER_ADDR:MASTER_PORT, which torchrun's agent keeps even when rank 0 is
+    gone) and waits ROLL_CALL_S for the others; a rank that never answers is gone, stopped or in another
+    call, on whatever host. "" when the store cannot be reached or every rank answered."""
+    global _roll_calls
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not processes or not address or not port.isdigit():
+        return ""
+    _roll_calls += 1  # a later failed meet in this process calls the roll afresh
+    key = f"hf_rtp/roll-call/{zlib.crc32(repr(processes).encode())}/{call}/{_roll_calls}"
+    try:
+        store = dist.TCPStore(
+            address, int(port), is_master=False, timeout=timedelta(seconds=ROLL_CALL_S), wait_for_workers=False
+        )
+        store.set(f"{key}/{rank}", "here")
+        arrived, deadline = store.add(f"{key}/count", 1), time.monotonic() + ROLL_CALL_S
+        while arrived < len(processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            arrived = store.add(f"{key}/count", 0)
+        answered = {r for r in range(len(processes)) if store.check([f"{key}/{r}"])}
+    except (RuntimeError, ValueError, OSError):  # no store to reach: say nothing rather than guess
+        return ""
+    found = [r for r in range(len(processes)) if r not in answered]
+    if not found:
+        return ""
+    where = ", ".join(sorted({processes[r][0] for r in found}))
+    ranks = ("rank " if len(found) == 1 else "ranks ") + ", ".join(map(str, found))
+    return f"{ranks} on {where}, which did not answer within {ROLL_CALL_S:g} s"
 
 
 def _state(pid: int) -> str:

@@ -169,6 +169,46 @@ def test_dead_rank_is_an_error_within_the_timeout(tmp_path):
     assert "HF_RTP_ENTRY_TIMEOUT" not in message, message
 
 
+def _on_another_host(name: str) -> None:
+    """This process alone now runs on host `name`: a UTS namespace of its own (CAP_SYS_ADMIN, as root), so
+    the other ranks see another host, whose processes they cannot look up."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x04000000) != 0 or libc.sethostname(name.encode(), len(name)) != 0:  # CLONE_NEWUTS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) needs CAP_SYS_ADMIN: run the suite as root")
+
+
+def _rank2_on_another_host_leaves(ckpt, how):
+    rank = int(os.environ["RANK"])
+    if rank == 2:
+        _on_another_host("node-b")
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    if rank == 2:
+        if how == "exits":
+            os._exit(0)
+        time.sleep(600)  # lingers without calling forward; killed by run_on_ranks
+    batch = global_batch(3)[rank]
+    start = time.monotonic()
+    with pytest.raises(hf_rtp.CollectiveMisuseError) as err:
+        model(input_ids=batch, labels=batch)
+    return time.monotonic() - start, str(err.value)
+
+
+@pytest.mark.parametrize("how", ["exits", "lingers"])
+def test_a_rank_gone_on_another_host_is_named(tmp_path, how):
+    """Its process cannot be looked up from here: the ranks that came call the roll in the launcher's store."""
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    env = {"HF_RTP_ENTRY_TIMEOUT": "5"}
+    for seconds, message in run_on_ranks(_rank2_on_another_host_leaves, 3, ckpt, how, env=env, survivors=(0, 1)):
+        assert "rank 2 on node-b, which did not answer within 5 s" in message, message
+        if how == "exits":
+            assert "lost another rank after" in message and "exited or was killed" in message, message
+        else:
+            assert "waited 5 s" in message and "gone, stopped or in another call" in message, message
+        assert seconds < 5 + 5 + 10, seconds  # the entry timeout, the roll call, and slack
+
+
 def test_path_that_is_neither_folder_nor_cached_hub_model(tmp_path):
     with pytest.raises(
         hf_rtp.CheckpointError, match=r"is not a local directory and could not be fetched.*HF_HUB_OFFLINE"
