@@ -60,6 +60,11 @@ def main(argv=None):
     p.add_argument("--resume_from_checkpoint", help="a checkpoint-N folder this recipe wrote")
     args = p.parse_args(argv)
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available() and not dist.is_initialized():
+        # Trainer's own waits (its gather of num_items_in_batch at every step, barriers) run on the world group.
+        # On the CPU, TrainingArguments does not hand ddp_timeout to accelerate (transformers 5.23), whose group
+        # would then wait 30 minutes for a rank that is gone: make the group first, with hf_rtp's timeout.
+        dist.init_process_group("gloo", timeout=hf_rtp.collective_timeout())
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -77,7 +82,7 @@ def main(argv=None):
         seed=args.seed,
         ddp_find_unused_parameters=False,
         disable_tqdm=False,
-        # Trainer's own waits (barriers, DDP) use this; the default 30 minutes would outlast hf_rtp's
+        # the same bound for the group accelerate makes on GPUs; the default 30 minutes would outlast hf_rtp's
         ddp_timeout=int(hf_rtp.collective_timeout().total_seconds()),
     )
     with training_args.main_process_first():
