@@ -143,9 +143,9 @@ hf_rtp.save_training_state(sys.argv[2], model, optimizer, extra={"step": int(sys
 def test_a_second_training_state_save_into_one_folder_fails_and_destroys_nothing(tmp_path, processes):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     target = str(tmp_path / "state")
-    subprocess.run(
-        [sys.executable, "-c", STATE_SCRIPT, ckpt, target, "1"], check=True, capture_output=True, timeout=300
-    )
+    model = hf_rtp.from_pretrained(ckpt).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    hf_rtp.save_training_state(target, model, optimizer, extra={"step": 1})  # the old state, saved here
     env = {**os.environ, "HF_RTP_FAULT": "stop@state.write", "HF_HUB_OFFLINE": "1"}
     first = subprocess.Popen(
         [sys.executable, "-c", STATE_SCRIPT, ckpt, target, "2"],
@@ -158,8 +158,6 @@ def test_a_second_training_state_save_into_one_folder_fails_and_destroys_nothing
     processes.append(first)
     _wait_until_stopped(first)  # its files written into state.partial, the lock held
     during = snapshot(tmp_path)
-    model = hf_rtp.from_pretrained(ckpt).train()
-    optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(
         hf_rtp.CheckpointError, match=rf"another process \(pid {first.pid} on .*\) is saving into .*state"
     ):
