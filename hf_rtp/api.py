@@ -125,6 +125,7 @@ def from_pretrained(
         pretrained_model_name_or_path, options.subfolder, revision, token, cache_dir, local_files_only, topology.control
     )
     config = _config(directory, options)
+    _refuse_quantized(config)
     auto_class = model_class(auto_class, config)  # before any read: a wrong head fails naming the right one
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
     plan = _named_plan(plan)
@@ -228,6 +229,26 @@ def _config(directory: str, options: keywords.LoadOptions):
     if unused:
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
     return config
+
+
+def _refuse_quantized(config) -> None:
+    """A checkpoint saved quantized (a `quantization_config` in its config.json: GPTQ, AWQ, FP8, bitsandbytes,
+    ...) holds packed integers or scaled floats that mean nothing without the method's scales and kernels.
+    Read as plain weights they would load without an error (an FP8 checkpoint did, its scales ignored): a
+    silently different model. hf_rtp rotates no quantized weights yet, so it refuses them by name."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    raise CheckpointError(
+        f"this checkpoint is quantized (its config has a quantization_config, quant_method={str(method)!r}): its "
+        "weights need that method's scales and kernels, and hf_rtp does not rotate quantized weights yet, so it will "
+        "not read them as plain weights. Load an unquantized (bfloat16 or float32) checkpoint of the model"
+    )
 
 
 class _Auto:
