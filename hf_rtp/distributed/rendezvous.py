@@ -54,9 +54,8 @@ def enter(
         dist.all_gather(everyone, mine, group=entry)
     except RuntimeError as err:
         waited = time.monotonic() - start
-        gone, absent = _missing(processes), ""
-        if not gone:
-            absent = _absent(call, rank, processes)
+        gone = _missing(processes)
+        absent = _absent(call, rank, processes, wait=not gone)  # answered in any case: others may be waiting
         if waited < 0.9 * timeout.total_seconds():  # no timeout: the connection to a peer broke
             who_exited = f"{gone}'s process" if gone else f"the process of {absent}" if absent else "a rank's process"
             raise CollectiveMisuseError(
@@ -99,12 +98,14 @@ ROLL_CALL_S = 5.0
 _roll_calls = 0
 
 
-def _absent(call: str, rank: int, processes: tuple[tuple[str, int], ...]) -> str:
+def _absent(call: str, rank: int, processes: tuple[tuple[str, int], ...], wait: bool) -> str:
     """ "rank 2 on node-b, which did not answer within 5 s": the ranks that did not answer a roll call, for
     when no process this host can look at is gone (_missing). Every rank whose meet failed records itself
     in the launcher's store (MASTER_ADDR:MASTER_PORT, which torchrun's agent keeps even when rank 0 is
-    gone) and waits ROLL_CALL_S for the others; a rank that never answers is gone, stopped or in another
-    call, on whatever host. "" when the store cannot be reached or every rank answered."""
+    gone), also one that found the culprit on its own host, or the waiting ranks would name it; with
+    `wait`, it then waits ROLL_CALL_S for the others: a rank that never answers is gone, stopped or in
+    another call, on whatever host. "" without `wait`, when the store cannot be reached or every rank
+    answered."""
     global _roll_calls
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if not processes or not address or not port.isdigit():
@@ -117,6 +118,8 @@ def _absent(call: str, rank: int, processes: tuple[tuple[str, int], ...]) -> str
         )
         store.set(f"{key}/{rank}", "here")
         arrived, deadline = store.add(f"{key}/count", 1), time.monotonic() + ROLL_CALL_S
+        if not wait:
+            return ""
         while arrived < len(processes) and time.monotonic() < deadline:
             time.sleep(0.1)
             arrived = store.add(f"{key}/count", 0)

@@ -209,6 +209,31 @@ def test_a_rank_gone_on_another_host_is_named(tmp_path, how):
         assert seconds < 5 + 5 + 10, seconds  # the entry timeout, the roll call, and slack
 
 
+def _rank0_elsewhere_rank3_exits(ckpt):
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        _on_another_host("node-a")
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rtp_size=2).train()  # 2 replicas of a 2-rank ring
+    if rank == 3:
+        os._exit(0)
+    batch = global_batch(4)[rank]
+    with pytest.raises(hf_rtp.CollectiveMisuseError) as err:
+        model(input_ids=batch, labels=batch)
+    return str(err.value)
+
+
+def test_ranks_that_found_the_gone_rank_on_their_host_still_answer_the_roll_call(tmp_path):
+    """Ranks 1 and 2 see rank 3's process gone on their own host; rank 0, on another, calls the roll: it must
+    name rank 3 alone, which it can only if 1 and 2 answer although they need no roll call themselves."""
+    ckpt = make_tiny_llama(tmp_path / "ckpt")
+    messages = run_on_ranks(
+        _rank0_elsewhere_rank3_exits, 4, ckpt, env={"HF_RTP_ENTRY_TIMEOUT": "5"}, survivors=(0, 1, 2)
+    )
+    assert "the process of rank 3 on " in messages[0] and "did not answer within 5 s" in messages[0], messages[0]
+    for message in messages[1:]:  # rank 2 may have failed and exited before rank 1 looks at /proc
+        assert "rank 3's process exited or was killed" in message or "ranks 2, 3" in message, message
+
+
 def test_path_that_is_neither_folder_nor_cached_hub_model(tmp_path):
     with pytest.raises(
         hf_rtp.CheckpointError, match=r"is not a local directory and could not be fetched.*HF_HUB_OFFLINE"
