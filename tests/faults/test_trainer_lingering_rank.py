@@ -1,5 +1,6 @@
-"""A Trainer run where one rank's data loader raises and its process lingers: the other rank waits in
-Trainer's own gather of `num_items_in_batch` on the world group, a wait that is not hf_rtp's. Bounded as
+"""A Trainer run where one rank's data loader raises and its process lingers: the other rank waits on the
+world group (Trainer's own gather of `num_items_in_batch`, or DDP's buffer broadcast), a wait that is not
+hf_rtp's. Bounded as
 docs/reliability.md and recipes/trainer_sft.py do it, it ends within hf_rtp's timeout.
 
 On the CPU that bound is the world group made first, with hf_rtp's timeout: TrainingArguments(use_cpu=True)
@@ -10,6 +11,7 @@ import os
 import time
 import traceback
 
+import pytest
 import torch
 from support.models import VOCAB, make_tiny_llama
 from support.spawn import run_on_ranks
@@ -34,7 +36,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _train_while_rank1_lingers(ckpt, out):
+def _train_while_rank1_lingers(ckpt, out, flags):
     from transformers import Trainer, TrainingArguments
 
     import hf_rtp
@@ -50,6 +52,7 @@ def _train_while_rank1_lingers(ckpt, out):
         save_strategy="no",
         disable_tqdm=True,
         ddp_timeout=int(hf_rtp.collective_timeout().total_seconds()),
+        **flags,
     )
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(rank))
@@ -65,11 +68,22 @@ def _train_while_rank1_lingers(ckpt, out):
     return None
 
 
-def test_a_rank_whose_loader_raised_and_lingers_ends_the_others_run_within_the_documented_bound(tmp_path):
+@pytest.mark.parametrize(
+    "flags, waits_in",
+    [
+        ({}, "_get_num_items_in_batch"),  # Trainer's gather of the token count, before each step
+        # no such gather: the next wait on the world group is DDP's buffer broadcast at the forward
+        ({"average_tokens_across_devices": False, "gradient_accumulation_steps": 2}, "_sync_buffers"),
+    ],
+    ids=["default", "no-token-gather-accumulating"],
+)
+def test_a_rank_whose_loader_raised_and_lingers_ends_the_others_run_within_the_documented_bound(
+    tmp_path, flags, waits_in
+):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     env = {"HF_RTP_TIMEOUT": str(TIMEOUT_S)}
-    [outcome] = run_on_ranks(_train_while_rank1_lingers, 2, ckpt, str(tmp_path / "out"), env=env, survivors=(0,))
+    [outcome] = run_on_ranks(_train_while_rank1_lingers, 2, ckpt, str(tmp_path / "out"), flags, env=env, survivors=(0,))
     assert outcome is not None, "rank 0 trained on without rank 1"
     seconds, where = outcome
-    assert "gather" in where, where  # Trainer's gather on the world group: the wait ddp_timeout bounds
-    assert seconds < TIMEOUT_S + 20, seconds  # bounded by ddp_timeout (= hf_rtp's timeout), not 30 minutes
+    assert waits_in in where, where  # a wait on the world group, not hf_rtp's: the group's timeout bounds it
+    assert seconds < TIMEOUT_S + 20, seconds  # hf_rtp's timeout, given to the world group, not 30 minutes
