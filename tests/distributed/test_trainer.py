@@ -67,7 +67,11 @@ def _trainer(model, out, max_steps=6):
 
     class KeepFourth(TrainerCallback):  # save_total_limit deletes checkpoint-4 later: keep a copy to resume from
         def on_save(self, args, state, control, **kwargs):
-            if state.global_step == 4 and state.is_world_process_zero:
+            if state.global_step != 4:
+                return
+            # Trainer writes each rank's rng_state_<rank>.pth with no barrier after it: wait for every rank's file
+            torch.distributed.barrier()
+            if state.is_world_process_zero:
                 shutil.copytree(os.path.join(out, "checkpoint-4"), os.path.join(out, "copy-of-checkpoint-4"))
 
     start = Start()
