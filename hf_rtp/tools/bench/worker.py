@@ -9,6 +9,7 @@ times, so the parent can cut its VmRSS samples into the load and training phases
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -21,6 +22,12 @@ from torch import nn
 
 from ..memory import STRATEGIES, decoder_layers
 from .processes import vm_rss
+
+# hf_rtp's first rotated from_pretrained imports PEFT (its stand-ins), and PEFT imports bitsandbytes when that
+# is installed (about 45 MB resident): imported here, before every strategy's baseline, as transformers is,
+# so that a peak measures loading and training, not a library import that one strategy happens to trigger.
+with contextlib.suppress(ImportError):
+    import peft  # noqa: F401
 
 # RTP variants the bench runs beside the strategies: the plain loss from full logits, a zero loss
 # that skips the head and its loss altogether (what the loss costs is the difference), and rings of
