@@ -27,6 +27,7 @@ from .distributed.agreement import agreed
 from .distributed.rotated import COMPILE_REFUSED, keep_rotated
 from .distributed.topology import setup
 from .errors import CheckpointError, RotatedStateError, TopologyError
+from .integrations import bitsandbytes
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import make_peft_use_global_features
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
@@ -126,6 +127,8 @@ def from_pretrained(
     )
     config = _config(directory, options)
     _refuse_quantized(config)
+    if options.quantization_config is not None:
+        config.quantization_config = options.quantization_config  # as vanilla records it; in the fingerprint
     auto_class = model_class(auto_class, config)  # before any read: a wrong head fails naming the right one
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
     plan = _named_plan(plan)
@@ -154,6 +157,9 @@ def from_pretrained(
     untie_stored_apart(model, entries, topology)
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
+    quantized = {}
+    if options.quantization_config is not None:
+        quantized = bitsandbytes.select(model, resolution, options.quantization_config, dtype, topology.rtp_size)
 
     with agreed(topology.control, CheckpointError):
         wants, sources = wants_for(model, resolution, topology, entries)
@@ -161,13 +167,19 @@ def from_pretrained(
     fresh = fresh_head(model, lacking, resolution.rotated_params)
     for name in fresh:
         del wants[name], sources[name]
-    tensors = read_proven(entries, wants, dtype, topology, settings.verify_weights)
+    tensors = read_proven(
+        entries, wants, dtype, topology, settings.verify_weights, transforms=bitsandbytes.quantizers(quantized)
+    )
+    if quantized:
+        bitsandbytes.finish(model, quantized, tensors, options.quantization_config, topology)
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
         log.warning(f"checkpoint tensors not used by {type(model).__name__}: {', '.join(unexpected[:8])}")
 
     install(model, resolution, tensors, topology)
+    if quantized:
+        bitsandbytes.swap_modules(model, quantized, options.quantization_config)
     if fresh:
         initialise_head(model, fresh, dtype, topology.device, topology.control)
     if model.can_generate():
@@ -235,7 +247,8 @@ def _refuse_quantized(config) -> None:
     """A checkpoint saved quantized (a `quantization_config` in its config.json: GPTQ, AWQ, FP8, bitsandbytes,
     ...) holds packed integers or scaled floats that mean nothing without the method's scales and kernels.
     Read as plain weights they would load without an error (an FP8 checkpoint did, its scales ignored): a
-    silently different model. hf_rtp rotates no quantized weights yet, so it refuses them by name."""
+    silently different model. hf_rtp quantizes at load (quantization_config) but reads no quantized checkpoint
+    yet, so it refuses them by name."""
     quantization = getattr(config, "quantization_config", None)
     if quantization is None:
         return
@@ -246,8 +259,9 @@ def _refuse_quantized(config) -> None:
     )
     raise CheckpointError(
         f"this checkpoint is quantized (its config has a quantization_config, quant_method={str(method)!r}): its "
-        "weights need that method's scales and kernels, and hf_rtp does not rotate quantized weights yet, so it will "
-        "not read them as plain weights. Load an unquantized (bfloat16 or float32) checkpoint of the model"
+        "weights need that method's scales and kernels, and hf_rtp does not read a quantized checkpoint yet, so it "
+        "will not read them as plain weights. Load an unquantized (bfloat16 or float32) checkpoint of the model, "
+        "with quantization_config=BitsAndBytesConfig(load_in_4bit=True) for a 4-bit base"
     )
 
 

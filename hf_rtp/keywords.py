@@ -30,7 +30,6 @@ _TP = (
 REFUSED = {
     "state_dict": "hf_rtp reads each rank's rows from safetensors files and never holds a whole model: "
     "save the state dict (save_pretrained) and load that folder",
-    "quantization_config": "quantized loading is not supported yet: load without it",
     "max_memory": f"it {_SPLIT}: pass device= (default: this rank's LOCAL_RANK GPU, else CPU)",
     "offload_folder": f"it {_SPLIT}: pass device= (default: this rank's LOCAL_RANK GPU, else CPU)",
     "offload_buffers": f"it {_SPLIT}: pass device= (default: this rank's LOCAL_RANK GPU, else CPU)",
@@ -82,6 +81,7 @@ HONOURED = (
     "subfolder",
     "variant",
     "generation_config",
+    "quantization_config",  # bitsandbytes 4-bit (integrations/bitsandbytes.py); every other one refused by name
     "device_mesh",  # hf_rtp's own: the ranks to rotate on (transformers': its tensor-parallel mesh)
     "attn_implementation",  # config overrides, passed on to the config as vanilla does
     "experts_implementation",
@@ -97,6 +97,7 @@ class LoadOptions:
     variant: str | None = None
     output_loading_info: bool = False
     generation_config: Any = None
+    quantization_config: Any = None
     dtype: Any = "auto"
     device: Any = None
     config_kwargs: dict = field(default_factory=dict)
@@ -125,6 +126,7 @@ def resolve(kwargs: dict, dtype, device) -> LoadOptions:
         variant=kwargs.pop("variant", None),
         output_loading_info=bool(kwargs.pop("output_loading_info", False)),
         generation_config=kwargs.pop("generation_config", None),
+        quantization_config=_quantization(kwargs.pop("quantization_config", None)),
         dtype=dtype,
         device=_device_from_map(kwargs.pop("device_map", None), device),
     )
@@ -135,6 +137,14 @@ def resolve(kwargs: dict, dtype, device) -> LoadOptions:
         )
     options.config_kwargs = kwargs
     return options
+
+
+def _quantization(config):
+    if config is None:
+        return None
+    from .integrations.bitsandbytes import checked_config
+
+    return checked_config(config)
 
 
 def _device_from_map(device_map, device):

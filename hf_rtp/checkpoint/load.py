@@ -21,14 +21,22 @@ from .safetensors_io import TensorEntry
 
 
 def read_proven(
-    entries: dict[str, TensorEntry], wants: dict[str, Want], dtype: torch.dtype, topology, verify: str = "auto"
+    entries: dict[str, TensorEntry],
+    wants: dict[str, Want],
+    dtype: torch.dtype,
+    topology,
+    verify: str = "auto",
+    transforms: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Collective. Every rank's tensors (or rows), once the ranks have proven they read one checkpoint's
-    bytes: file by file before the read, replicated tensors' digests after it (fingerprint.py)."""
+    bytes: file by file before the read, replicated tensors' digests after it (fingerprint.py).
+    `transforms`: name -> what to keep of a tensor as soon as it is read (its rows quantized)."""
     identities = prove_files(entries, topology.control, verify)
     with agreed(topology.control, CheckpointError):
         faults.point("load.read")
-        tensors, read = read_local(entries, wants, dtype, topology.device, compare=topology.world_size > 1)
+        tensors, read = read_local(
+            entries, wants, dtype, topology.device, compare=topology.world_size > 1, transforms=transforms
+        )
     agree_on_read(read, identities, entries, topology.control)
     return tensors
 
@@ -39,6 +47,7 @@ def read_local(
     dtype: torch.dtype,
     device: torch.device,
     compare: bool = False,
+    transforms: dict | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read every wanted tensor (or its rows) from disk, checked against the model's shapes; and the
     SHA-256 of each tensor read whole (replicated ones), which every rank must share (with `compare`:
@@ -75,6 +84,8 @@ def read_local(
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             out[name] = tensor.to(device)
+            if transforms and name in transforms:
+                out[name] = transforms[name](out[name])
     return out, digests
 
 

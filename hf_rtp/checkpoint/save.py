@@ -113,6 +113,12 @@ def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max
     wrote into the folder (its whole checkpoint), and [] on every other rank."""
     topology: Topology = state_of(model).topology
     save_directory = os.fspath(save_directory)
+    if getattr(model, "is_loaded_in_4bit", False):
+        raise CheckpointError(
+            "this model's base was loaded with quantization_config (4-bit): hf_rtp does not save a quantized base. "
+            "Save the adapter (Trainer.save_model, or PeftModel.save_pretrained), which vanilla PEFT loads onto "
+            "the original checkpoint; to save merged weights, merge the adapter in vanilla on an unquantized base"
+        )
     if os.path.isfile(save_directory):
         raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
     writer_rank = topology.is_writer

@@ -18,7 +18,8 @@ from .ties import tie_targets
 def rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
     stride = torch.empty(shape, device="meta").stride()
     dtensor = DTensor.from_local(local, topology.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-    return make_rotated(nn.Parameter(dtensor))
+    # a quantized layer's packed rows are bytes, which never train (integrations/bitsandbytes.py)
+    return make_rotated(nn.Parameter(dtensor, requires_grad=local.is_floating_point()))
 
 
 def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.Tensor], topology: Topology) -> None:

@@ -55,3 +55,9 @@ def set_attention_implementation(config: Any, name: str) -> None:
 def no_split_modules(model: Any) -> tuple[str, ...]:
     """The module classes transformers never splits across devices (LlamaDecoderLayer, GPT2Block, ...)."""
     return tuple(getattr(model, "_no_split_modules", None) or ())
+
+
+def keep_in_fp32_modules(model: Any) -> Any:
+    """The modules a model class keeps in float32, which transformers' quantizers never convert."""
+    _get(type(model), "_keep_in_fp32_modules")
+    return model._keep_in_fp32_modules

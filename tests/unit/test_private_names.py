@@ -23,6 +23,7 @@ GATED = {
     "_assert_async", "_local_tensor", "_ddp_params_and_buffers_to_ignore", "_init_weights",
     "_get_resized_embeddings", "_get_resized_lm_head", "_loss_function", "_apply_gate", "_attn_implementation",
     "_no_split_modules", "_models", "_optimizers", "_shared_state", "_amp_foreach_non_finite_check_and_unscale_",
+    "_keep_in_fp32_modules",
 }  # fmt: skip
 LIBRARIES = ("torch", "transformers", "accelerate")
 
@@ -82,6 +83,7 @@ def test_every_gated_name_resolves_under_the_installed_versions():
     assert transformers_names.own_loss_function(model) is None
     assert transformers_names.attention_implementation(model.config) in ("eager", "sdpa")
     assert transformers_names.no_split_modules(model) == ("LlamaDecoderLayer",)
+    assert transformers_names.keep_in_fp32_modules(model) == set()
     assert accelerate_names.state_exists() in (True, False)
 
 

@@ -1,0 +1,164 @@
+"""A frozen nn.Linear quantized to 4 bits by bitsandbytes (QLoRA's base), cut by output features.
+
+Why a rank can quantize its own rows: bitsandbytes quantizes the flattened weight in blocks of
+`blocksize` consecutive elements, each with its own absmax. When `in_features` is a multiple of the
+block size every block lies inside one row, so a rank's rows quantized alone give the same packed
+bytes and scales as the whole tensor quantized at once (vanilla's Linear4bit), for any cut.
+
+A rank holds its rows as one uint8 tensor of `in_features / 2` packed bytes, then the rows' float32
+absmax (`in_features / blocksize` of them) as bytes: that row-shaped piece is what walks the ring, the
+scales with the data. The bias stays an ordinary parameter, whole on every rank as vanilla's is (frozen
+unless PEFT trains it: bias="all"). Double quantization (`bnb_4bit_use_double_quant`)
+compresses the absmax again with an offset that is the mean over the whole tensor; hf_rtp computes it
+as vanilla does (on the gathered absmax, `quantize_double`) and keeps the float32 absmax it dequantizes
+to, the exact values vanilla's matmul uses. The cost is vanilla's 0.016 bytes of scales per parameter
+becoming 0.0625.
+
+The math is bitsandbytes' own, per piece: forward calls `bitsandbytes::gemm_4bit` on each held piece
+(vanilla's Linear4bit calls it on the whole weight; each output row depends only on its weight row), with
+the input cast to the compute dtype as Linear4bit casts it; backward computes only the input gradient,
+`grad @ dequantize_4bit(piece)`, as bitsandbytes' MatMul4Bit does. No weight gradient exists or travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..distributed.ring import Ring
+from ..distributed.sharding import ChunkLayout
+from .common import local
+from .linear import RotatedLinear
+
+ABSMAX_BYTES = 4  # float32
+
+
+@dataclass(frozen=True)
+class Quant4bit:
+    """What bitsandbytes needs to compute with a piece: bnb_4bit_quant_type, the block size, the dtype the
+    weight was quantized from (dequantize returns it) and bnb_4bit_compute_dtype (None: the input's)."""
+
+    quant_type: str
+    blocksize: int
+    dtype: torch.dtype
+    compute_dtype: torch.dtype | None
+
+
+def packed_columns(in_features: int, spec: Quant4bit) -> int:
+    """Bytes per row of a piece without its bias: packed data, then absmax."""
+    return in_features // 2 + in_features // spec.blocksize * ABSMAX_BYTES
+
+
+def quantize_rows(rows: torch.Tensor, spec: Quant4bit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a weight [rows, in] (in spec.dtype) -> their packed bytes [rows, in / 2] and float32 absmax
+    [rows, in / blocksize], exactly what quantizing the whole weight gives for these rows."""
+    packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(rows, spec.blocksize, spec.quant_type, torch.uint8)
+    n = rows.shape[0]
+    return packed.view(n, -1), absmax.view(n, -1)
+
+
+def quantize_double(absmax: torch.Tensor) -> torch.Tensor:
+    """The absmax values vanilla's matmul sees under double quantization: bitsandbytes' quantize_4bit
+    (compress_statistics=True) on the whole tensor's absmax, then dequantize_4bit's first step."""
+    import bitsandbytes.functional as bnb_functional
+
+    flat = absmax.reshape(-1)
+    offset = flat.mean()
+    quantized, state2 = bnb_functional.quantize_blockwise(flat - offset, blocksize=256)
+    restored = bnb_functional.dequantize_blockwise(quantized, state2)
+    restored += offset
+    return restored.float().view_as(absmax)
+
+
+def piece_of(packed: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """One uint8 row-shaped tensor: packed data, then absmax bytes."""
+    return torch.cat([packed, absmax.contiguous().view(torch.uint8).view(packed.shape[0], -1)], dim=1)
+
+
+class _Rotated4bitFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear4bit):
+        out = x.new_empty(*x.shape[:-1], layout.rows)
+
+        def compute(rows, chunk):
+            start, end = rows
+            packed, absmax = module.unpack(chunk[0])
+            out[..., start:end] = torch.ops.bitsandbytes.gemm_4bit.default(
+                x, packed, (end - start, module.in_features), absmax, module.spec.blocksize, module.spec.quant_type,
+                bias=None if bias is None else bias[start:end],
+            )  # fmt: skip
+
+        ring.forward_walk([piece], layout, compute)
+        ctx.save_for_backward(piece)
+        ctx.ring, ctx.layout, ctx.module = ring, layout, module
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (piece,) = ctx.saved_tensors
+        ring, layout, module = ctx.ring, ctx.layout, ctx.module
+        grad_bias = None
+        if ctx.needs_input_grad[2]:  # bitsandbytes' MatMul4Bit: the sum over tokens, in the bias's dtype
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, None, grad_bias, None, None, None
+        grad_x = grad_out.new_zeros(*grad_out.shape[:-1], module.in_features)
+
+        def input_grad(rows, chunk):
+            start, end = rows
+            packed, absmax = module.unpack(chunk[0])
+            weight = torch.ops.bitsandbytes.dequantize_4bit.default(
+                packed, absmax, module.spec.blocksize, module.spec.quant_type, (end - start, module.in_features),
+                module.spec.dtype,
+            )  # fmt: skip
+            grad_x.add_(torch.matmul(grad_out[..., start:end], weight.to(grad_out.dtype)))
+
+        ring.backward_walk([piece], layout, None, input_grad)
+        return grad_x, None, grad_bias, None, None, None
+
+
+class RotatedLinear4bit(RotatedLinear):
+    """A frozen 4-bit nn.Linear rotated as packed rows (see the module's docstring).
+
+    `weight` is this layer's pieces as a uint8 Shard(0) DTensor [out_features, bytes per row], not
+    bitsandbytes' Params4bit: it never trains, and hf_rtp does not save it (save the adapter). `bias` is
+    whole, as vanilla's.
+    """
+
+    def __init__(self, source: RotatedLinear, *, spec: Quant4bit):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = source.weight
+        self.bias = source.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)  # transformers freezes the whole Linear4bit
+        self.ring, self.spec = source.ring, spec
+        self.layout = ChunkLayout((self.weight.shape,), self.ring.size)
+        self.bias_after_matmul = False
+
+    def unpack(self, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.in_features // 2
+        packed = piece[:, :data].contiguous().view(-1, 1)
+        absmax = piece[:, data:].contiguous().view(torch.float32).view(-1)
+        return packed, absmax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16), the output
+        # back in the input's dtype
+        dtype = x.dtype
+        compute = self.spec.compute_dtype
+        if compute is None and x.dtype in (torch.float32, torch.bfloat16):
+            compute = x.dtype
+        if compute is not None:
+            x = x.to(compute)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _Rotated4bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"quant_type={self.spec.quant_type}, blocksize={self.spec.blocksize}"
+        )
