@@ -43,10 +43,39 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     states: Any = optim_sd["state"]  # {fqn: {key: value}}; DCP's annotation covers every state dict shape
     for fqn, state in states.items():
-        for key, value in state.items():
+        for key, value in _leaves(state):
             if isinstance(value, torch.Tensor):
                 flat[f"optim.{fqn}.{key}"] = value
     return model_sd, optim_sd, flat
+
+
+def _leaves(state: dict, prefix: str = ""):
+    """(dotted key, value) of a parameter's optimizer state, nested dicts walked: bitsandbytes' optimizers put
+    their 8-bit state and its scales under `__bnb_optimizer_quant_state__`, which must be saved like the rest."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _scalars(optim_sd) -> dict[str, dict[str, Any]]:
+    """Per-parameter optimizer state that is not a tensor (bitsandbytes keeps `step` as an int), which DCP does
+    not write: kept in training_state.json instead, or a resume would restart the optimizer's step count."""
+    kept: dict[str, dict[str, Any]] = {}
+    for fqn, state in optim_sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) or (
+                isinstance(value, dict) and all(isinstance(v, torch.Tensor) for _, v in _leaves(value))
+            ):
+                continue
+            if not isinstance(value, (int, float, bool, str, type(None))):
+                raise CheckpointError(
+                    f"optimizer state {fqn}.{key} is a {type(value).__name__}, which hf_rtp cannot save: only "
+                    "tensors (also in dicts) and numbers"
+                )
+            kept.setdefault(fqn, {})[key] = value
+    return kept
 
 
 def _identity(model: nn.Module) -> dict:
@@ -96,6 +125,7 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                     "identity": _identity(model),
                     "files": files,
                     "param_groups": optim_sd["param_groups"],
+                    "scalars": _scalars(optim_sd),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "rng": rng,
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -134,6 +164,8 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     with _named_waits("load_training_state", directory):
         dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
         optim_sd["param_groups"] = state["param_groups"]
+        for fqn, kept in state.get("scalars", {}).items():  # absent from checkpoints saved before it was kept
+            optim_sd["state"].setdefault(fqn, {}).update(kept)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
@@ -146,7 +178,7 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     return _extra(state)
 
 
-_RECORDS = ("format", "identity", "files", "param_groups", "scheduler", "rng", "world_size", "extra")
+_RECORDS = ("format", "identity", "files", "param_groups", "scalars", "scheduler", "rng", "world_size", "extra")
 
 
 def _extra(state: dict) -> dict:

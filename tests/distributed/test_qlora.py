@@ -129,3 +129,131 @@ def _narrow(ckpt):
 def test_rows_that_cannot_quantize_apart_are_refused_naming_the_module_and_the_skip_setting(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")  # hidden 32: half a bitsandbytes block per row
     assert run_on_ranks(_narrow, 2, ckpt) == ["RotatedLinear", "RotatedLinear"]
+
+
+def _sft(model, out, max_steps=4, resume=None):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from support.models import tiny_tokenizer
+    from support.trainer_grads import first_grads_callback
+    from trl import SFTConfig, SFTTrainer
+
+    ids = global_batch(8, batch=2, seq=10, seed=5).reshape(16, 10).tolist()
+    config = SFTConfig(
+        output_dir=out,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="steps",
+        save_steps=2,
+        max_length=16,
+        bf16=False,
+        gradient_checkpointing=True,
+        optim="paged_adamw_8bit",  # QLoRA's usual optimizer, over the (replicated) adapters
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", init_lora_weights=False)
+    grads = first_grads_callback()
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"input_ids": ids}),
+        processing_class=tiny_tokenizer(),
+        callbacks=[grads],
+        peft_config=lora,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    trainer.save_model(os.path.join(out, "adapter"))
+    return trainer, losses, grads.grads
+
+
+def _qlora_sft(ckpt, out):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name, load in (("vanilla", AutoModelForCausalLM.from_pretrained), ("rotated", hf_rtp.from_pretrained)):
+        torch.manual_seed(0)
+        model = load(ckpt, dtype=torch.float32, quantization_config=_bnb("nf4", True))
+        trainer, losses, grads = _sft(model, os.path.join(out, name))
+        torch.distributed.barrier()  # vanilla's rank 0 writes the adapter
+        files = sorted(os.listdir(os.path.join(out, name, "adapter")))
+        saved = load_file(os.path.join(out, name, "adapter", "adapter_model.safetensors"))
+        adapter = {k: (str(v.dtype), v.float().numpy()) for k, v in saved.items()}  # TRL keeps QLoRA adapters bf16
+        results[name] = (trainer, losses, grads, files, adapter)
+    trainer = results["rotated"][0]
+    refused = []
+    try:
+        trainer.model.merge_and_unload()
+    except hf_rtp.RotatedStateError as err:
+        refused.append(str(err))
+    try:
+        trainer.model.get_base_model().save_pretrained(os.path.join(out, "base"))
+    except hf_rtp.CheckpointError as err:
+        refused.append(str(err))
+    torch.manual_seed(0)
+    again = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, quantization_config=_bnb("nf4", True))
+    _, resumed, _ = _sft(again, os.path.join(out, "rotated"), resume=os.path.join(out, "rotated", "checkpoint-2"))
+    # the adapter as vanilla PEFT loads it onto vanilla's own 4-bit base, beside hf_rtp's trained model
+    if rank == 0:
+        base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, quantization_config=_bnb("nf4", True))
+        loaded = PeftModel.from_pretrained(base, os.path.join(out, "rotated", "adapter"))
+        batch = global_batch(1, seq=12)[0]
+        with torch.no_grad():
+            logits = loaded(input_ids=batch).logits
+    torch.distributed.barrier()
+    with torch.no_grad():
+        for p in trainer.model.parameters():  # PEFT loads the bf16 adapter into float32 ones: compare like that
+            if p.requires_grad:
+                p.data = p.data.float()
+        ours = trainer.model.eval()(input_ids=global_batch(1, seq=12)[0]).logits
+    served = (logits - ours).abs().max().item() if rank == 0 else None
+    plain = {k: v[1:] for k, v in results.items()}
+    return plain, refused, resumed, served
+
+
+def test_qlora_with_sfttrainer_trains_saves_resumes_like_vanilla_and_refuses_merging(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
+    results, refused, resumed, served = run_on_ranks(_qlora_sft, 2, ckpt, str(tmp_path))[0]
+    (v_losses, v_grads, v_files, v_adapter), (losses, grads, files, adapter) = results["vanilla"], results["rotated"]
+    # TRL keeps QLoRA adapters in bf16: after a few steps a 1-ulp bf16 difference in an adapter shows (~1e-4)
+    assert len(losses) == 4 and losses[0] == pytest.approx(v_losses[0], abs=1e-5)
+    assert losses == pytest.approx(v_losses, abs=1e-3)
+    assert grads.keys() == v_grads.keys() and len(grads) == 28  # A and B of 7 linears in 2 layers
+    for name, grad in v_grads.items():
+        assert abs(grads[name] - grad).max() <= 1e-7 + 1e-5 * abs(grad).max(), name
+    assert files == v_files and "adapter_model.safetensors" in files
+    assert adapter.keys() == v_adapter.keys()
+    for name, (dtype, tensor) in v_adapter.items():
+        assert adapter[name][0] == dtype, (name, adapter[name][0], dtype)
+        assert abs(adapter[name][1] - tensor).max() <= 1e-2 * abs(tensor).max(), name  # bf16 weights
+    assert "merging adapters on a 4-bit base" in refused[0] and "does not save a quantized base" in refused[1]
+    assert resumed[-2:] == pytest.approx(losses[-2:], abs=1e-6)  # steps 3 and 4 again, from checkpoint-2
+    assert served < 1e-5
+
+
+def _bnb_optimizer_on_rotated_rows(ckpt):
+    import bitsandbytes as bnb
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    batch = global_batch(2)[int(os.environ["RANK"])]
+    model(input_ids=batch, labels=batch).loss.backward()
+    hf_rtp.sync_grads(model)
+    with pytest.raises(hf_rtp.RotatedStateError, match=r"bitsandbytes optimizers \(8-bit, paged or 32-bit state\)"):
+        optimizer.step()
+
+
+def test_a_bitsandbytes_optimizer_over_trainable_rotated_rows_is_refused_by_name(tmp_path):
+    run_on_ranks(_bnb_optimizer_on_rotated_rows, 2, make_tiny("llama", tmp_path / "ckpt"))

@@ -18,11 +18,16 @@ def first_grads_callback():
             if state.global_step == 0:
                 with torch.no_grad():
                     self.grads = {
-                        n.removeprefix("module."): (
+                        n.removeprefix("module."): _numpy(
                             p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                        ).numpy()
+                        )
                         for n, p in model.named_parameters()
                         if p.grad is not None
                     }
 
     return FirstGrads()
+
+
+def _numpy(tensor: torch.Tensor):
+    """numpy has no bfloat16: a bf16 or fp16 gradient (TRL casts QLoRA adapters to bf16) as float32, exactly."""
+    return (tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor).numpy()
