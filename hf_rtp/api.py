@@ -29,7 +29,7 @@ from .distributed.topology import setup
 from .errors import CheckpointError, RotatedStateError, TopologyError
 from .integrations import bitsandbytes
 from .integrations.accelerate import check_accelerate_state
-from .integrations.peft import make_peft_use_global_features
+from .integrations.peft import install_when_peft_is_imported
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
 from .model.data_parallel import ignore_rotated_in_ddp
 from .model.fused_head import install_forward
@@ -318,7 +318,7 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
         backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
-        make_peft_use_global_features()  # process-wide, until PEFT knows the `rtp` mesh
+        install_when_peft_is_imported()  # process-wide, until PEFT knows the `rtp` mesh
     return model
 
 

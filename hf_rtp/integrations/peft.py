@@ -30,6 +30,11 @@ Merging DoRA or trainable tokens into a rotated layer (`merge_and_unload`) is re
 whole-matrix arithmetic on the rotated weight, which gave wrong weights without an error. Plain LoRA and
 `modules_to_save` merge correctly and are left alone.
 
+The stand-ins go in when a rotated model is loaded, if PEFT is imported by then; otherwise when PEFT is
+imported later, by a one-shot finder on `sys.meta_path` that runs PEFT's own import and then installs
+them (`install_when_peft_is_imported`). hf_rtp itself never imports PEFT: PEFT imports bitsandbytes when
+it is installed, about 2 s per process that never uses either.
+
 Outside the tested versions nothing is replaced, and a warning says so: PEFT's own rule then sizes
 adapters on rotated layers, and a wrong size fails at the first forward (a shape mismatch), never silently.
 """
@@ -37,6 +42,8 @@ adapters on rotated layers, and a wrong size fails at the first forward (a shape
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import sys
 
 import torch
@@ -54,6 +61,37 @@ from ..layers.linear4bit import RotatedLinear4bit
 
 TESTED = ((0, 15), (0, 22))  # from, up to (excluded): PEFT versions whose _get_in_out_features this stands in for
 _MARK = "hf_rtp_stands_in_for"
+
+
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: at `import peft` it takes itself off sys.meta_path, lets the other finders find
+    PEFT, and has PEFT's loader install the stand-ins once PEFT's own module code has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "peft":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):  # this spec's loader only: a fresh object per find
+            run(module)
+            make_peft_use_global_features()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install_when_peft_is_imported() -> None:
+    """The stand-ins now if PEFT is imported, else at its import (when it is installed at all)."""
+    if "peft" in sys.modules:
+        make_peft_use_global_features()
+    elif not any(isinstance(f, _WhenImported) for f in sys.meta_path) and importlib.util.find_spec("peft"):
+        sys.meta_path.insert(0, _WhenImported())
 
 
 def make_peft_use_global_features() -> None:
