@@ -54,6 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--resume_from", help="a checkpoint-{step} folder written by this recipe")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on the frozen rotated base")
     p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument(
+        "--load_in_4bit",
+        action="store_true",
+        help="QLoRA: a frozen NF4 base (bitsandbytes, double quantization) with LoRA adapters; implies --lora",
+    )
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--no_bf16", action="store_true", help="on GPU, train without bf16 autocast")
     p.add_argument("--push_to_hub", metavar="REPO", help="upload output_dir/final to this Hub repo at the end")
@@ -91,12 +96,38 @@ def main(argv=None):
         else:
             blocks, eval_blocks = split_eval(blocks, 0.05, args.seed)
 
-    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=accelerator.device, rtp_size=args.rtp_size)
+    quantization = None
+    if args.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        args.lora = True  # a 4-bit base does not train: its adapters do
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if torch.cuda.is_available() and not args.no_bf16 else torch.float32,
+        )
+    model = hf_rtp.from_pretrained(
+        model_path,
+        dtype=torch.float32,
+        device=accelerator.device,
+        rtp_size=args.rtp_size,
+        quantization_config=quantization,
+    )
     topology = hf_rtp.state_of(model).topology
     log0(
         accelerator, f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring"
     )
-    if args.gradient_checkpointing:
+    if args.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        # as in vanilla QLoRA: everything frozen, input gradients on, checkpointing if asked
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=args.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = model
     if args.lora:

@@ -178,7 +178,7 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
 
 
-def test_lora_with_gradient_checkpointing(default_run, tmp_path):
+def test_qlora_with_gradient_checkpointing(default_run, tmp_path):
     from peft import PeftModel
 
     run(
@@ -191,7 +191,7 @@ def test_lora_with_gradient_checkpointing(default_run, tmp_path):
             "4",
             "--eval_every",
             "0",
-            "--lora",
+            "--load_in_4bit",  # QLoRA: --lora on a 4-bit base
             "--gradient_checkpointing",
             *_same_data(default_run),
         ]
@@ -200,7 +200,7 @@ def test_lora_with_gradient_checkpointing(default_run, tmp_path):
     final = os.path.join(tmp_path, "final")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(final))
     base = AutoModelForCausalLM.from_pretrained(os.path.join(default_run, "default", "model"))
-    PeftModel.from_pretrained(base, final)  # loads onto the vanilla base (outputs: test_lora_and_checkpointing)
+    PeftModel.from_pretrained(base, final)  # loads onto the vanilla base (outputs: test_qlora, test_lora_...)
 
 
 def test_trainer_recipe(default_run, tmp_path):
