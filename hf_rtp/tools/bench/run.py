@@ -47,6 +47,8 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
         worker_args.append("--gradient-checkpointing")
     if args.autocast:
         worker_args.append("--autocast")
+    if args.load_in_4bit:
+        worker_args.append("--load-in-4bit")
     if strategy == "rtp-2d":
         worker_args += ["--rtp-size", str(args.rtp_size)]
     reports = run_ranks(
@@ -72,6 +74,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
         "step_s": step_s,
         "tokens_per_s": batches * args.batch * args.seq / step_s,
         "local_param_gb": worst["local_param_bytes"] / 1e9,
+        "ring_mb_per_step": max(r.get("ring_bytes_per_step", 0) for r in reports) / 1e6,
         "loss_first": reports[0]["losses"][0],  # rank 0's first batch is the same in every strategy
         "ranks": reports,
     }
@@ -224,6 +227,12 @@ def parse_args(argv=None):
         "weights, as Trainer(bf16=True) does; FSDP2 then uses its MixedPrecisionPolicy (bf16 gathers)",
     )
     p.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="QLoRA: a frozen NF4 bitsandbytes base with LoRA adapters (r=16, every linear), for ddp, fsdp2 (as "
+        "Answer.AI's FSDP-QLoRA: packed bytes stored in --dtype) and rtp; reports ring bytes per step",
+    )
+    p.add_argument(
         "--generate",
         nargs="?",
         const="1,8,32",
@@ -247,7 +256,8 @@ def main(argv=None) -> dict:
         sizes = [int(n) for n in args.world_sizes.split(",")]
     except ValueError:
         sizes = [0]
-    strategies = (args.strategies or ",".join(STRATEGIES)).split(",")
+    default = "ddp,fsdp2,rtp" if args.load_in_4bit else ",".join(STRATEGIES)
+    strategies = (args.strategies or default).split(",")
     known = STRATEGIES + VARIANTS + (("rtp-whole",) if args.generate else ())
     unknown = set(strategies) - set(known)
     if unknown or any(n < 1 for n in sizes):
@@ -321,7 +331,9 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
             autocast=args.autocast,
             rtp_size=args.rtp_size if grid else None,
         )
-        row["estimate_gb"] = estimates.get("rtp" if grid else strategy, float("nan")) / 1e9
+        # the estimate models full fine-tuning, not a frozen 4-bit base
+        estimate = estimates.get("rtp" if grid else strategy, float("nan"))
+        row["estimate_gb"] = float("nan") if args.load_in_4bit else estimate / 1e9
         if grid:
             row["rtp_size"] = args.rtp_size
         rows.append(row)
@@ -332,7 +344,12 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
         title += ", bf16 autocast"
     if args.gradient_checkpointing:
         title += ", gradient checkpointing"
+    if args.load_in_4bit:
+        title += ", QLoRA (NF4 base, LoRA r=16)"
     print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))
+    for r in rows:
+        if r["ring_mb_per_step"]:
+            print(f"{r['strategy']} N={r['world_size']}: {r['ring_mb_per_step']:.2f} MB per rank on the ring per step")
     for f in failed:
         print(f"{f['strategy']} on {f['world_size']} rank(s) failed (see results.json)")
     result = {

@@ -84,6 +84,49 @@ def _load(
     return model
 
 
+QLORA_STRATEGIES = ("ddp", "fsdp2", "rtp")
+LORA_RANK = 16
+
+
+def load_qlora(strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """QLoRA as each strategy's users run it: a frozen NF4 base (double quantization, bitsandbytes), LoRA
+    adapters on every linear (PEFT), under DDP, under FSDP2 as Answer.AI's FSDP-QLoRA sets it (the packed
+    bytes stored as `dtype` so FSDP shards them, the quantization state whole on every rank), or hf_rtp."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if strategy not in QLORA_STRATEGIES:
+        raise SystemExit(f"{strategy} has no QLoRA variant in the bench (--load-in-4bit runs {QLORA_STRATEGIES})")
+    storage = dtype if strategy == "fsdp2" else torch.uint8
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=storage,
+    )
+    if strategy == "rtp":
+        import hf_rtp
+
+        base = hf_rtp.from_pretrained(checkpoint, dtype=dtype, device=device, quantization_config=quantization)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=dtype, quantization_config=quantization, device_map={"": device}
+        )
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    lora = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules="all-linear")
+    model: Any = get_peft_model(base, lora)
+    if strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
 def train_step(
     model: nn.Module, strategy: str, batch: torch.Tensor, optimizer: torch.optim.Optimizer, autocast: bool = False
 ) -> float:
@@ -110,6 +153,14 @@ def _train_step(model, strategy, batch, optimizer) -> float:
     return float(loss)
 
 
+def _ring(model: nn.Module):
+    """The ring of a rotated model (its sent_bytes count what a step puts on the wire), else None."""
+    from ...model.state import state_of
+
+    state = state_of(model, required=False)
+    return state.topology.ring if state is not None and state.topology.rtp_size > 1 else None
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("strategy", choices=STRATEGIES + VARIANTS + ("rtp-whole",))
@@ -124,6 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--rtp-size", type=int)
     p.add_argument("--autocast", action="store_true", help="bf16 autocast over the weights' dtype")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: a frozen NF4 base with LoRA adapters")
     p.add_argument("--generate", help="comma-separated batch sizes: time greedy decoding instead of training")
     p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args(argv)
@@ -150,9 +202,12 @@ def main(argv=None) -> None:
     marks = {"baseline_rss": vm_rss(os.getpid()), "load_start": time.time()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = load(
-        args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size, args.autocast
-    ).train()
+    if args.load_in_4bit:
+        model = load_qlora(args.strategy, args.checkpoint, dtype, device).train()
+    else:
+        model = load(
+            args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size, args.autocast
+        ).train()
     marks["load_end"] = time.time()
     if args.generate:
         report = dict(
@@ -167,10 +222,11 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    times, losses = [], []
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+    ring = _ring(model)
+    times, losses, sent = [], [], []
     for batch in batches:
+        before = ring.sent_bytes if ring is not None else 0
         if world_size > 1:
             dist.barrier()
         if device.type == "cuda":
@@ -182,6 +238,7 @@ def main(argv=None) -> None:
         if world_size > 1:
             dist.barrier()  # a step ends when the slowest rank ends it
         times.append(time.perf_counter() - start)
+        sent.append(ring.sent_bytes - before if ring is not None else 0)
     marks["train_end"] = time.time()
     if device.type == "cuda":
         marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
@@ -193,6 +250,7 @@ def main(argv=None) -> None:
         step_times=times[args.warmup :],
         step_s=statistics.median(times[args.warmup :]),
         losses=losses,
+        ring_bytes_per_step=statistics.median(sent[args.warmup :]),
         local_param_bytes=local_bytes,
         load_s=marks["load_end"] - marks["load_start"],
     )
