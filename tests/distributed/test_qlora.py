@@ -257,3 +257,26 @@ def _bnb_optimizer_on_rotated_rows(ckpt):
 
 def test_a_bitsandbytes_optimizer_over_trainable_rotated_rows_is_refused_by_name(tmp_path):
     run_on_ranks(_bnb_optimizer_on_rotated_rows, 2, make_tiny("llama", tmp_path / "ckpt"))
+
+
+def _ring_bytes(ckpt):
+    import hf_rtp
+
+    sent = {}
+    quantized = _bnb("nf4", True, torch.bfloat16)
+    for name, options in (("bf16", {}), ("nf4", {"quantization_config": quantized})):
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.bfloat16, **options)
+        layer = model.model.layers[0].mlp.down_proj
+        layer.requires_grad_(False)  # a frozen base, as under LoRA: only the input gradient walks back
+        ring = hf_rtp.state_of(model).topology.ring
+        x = torch.randn(2, 5, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+        before = ring.sent_bytes
+        layer(x).float().sum().backward()
+        sent[name] = ring.sent_bytes - before
+    return sent
+
+
+def test_the_ring_carries_packed_rows_and_scales_not_weights(tmp_path):
+    sent = run_on_ranks(_ring_bytes, 2, make_tiny("llama", tmp_path / "ckpt", **WIDE))[0]
+    # per row of 128 inputs: 64 packed bytes and 2 float32 scales against 256 bf16 bytes, forward and backward
+    assert sent["bf16"] > 0 and sent["nf4"] / sent["bf16"] == (64 + 8) / 256
