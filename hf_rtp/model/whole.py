@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 
 from .. import log
 from ..distributed.rotated import RotatedTensor
-from .state import state_of
+from ..errors import RotatedStateError
+from .state import rotated_module, state_of
 
 
 def whole_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -27,6 +28,12 @@ def whole_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> Pre
     `model`: training it does not train `model`; refresh it after optimizer steps by calling again.
     """
     state = state_of(model)
+    if getattr(rotated_module(model), "is_loaded_in_4bit", False):
+        raise RotatedStateError(
+            "hf_rtp.whole_model: this model's base is 4-bit (quantization_config), which a vanilla copy would have "
+            "to re-quantize whole on every rank. Generate on the ring (model.generate), or load the checkpoint "
+            "with transformers' from_pretrained(quantization_config=...) and your adapter for a decode-heavy phase"
+        )
     config = copy.deepcopy(model.config)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         whole = type(model)(config)

@@ -200,6 +200,10 @@ def _qlora_sft(ckpt, out):
         trainer.model.get_base_model().save_pretrained(os.path.join(out, "base"))
     except hf_rtp.CheckpointError as err:
         refused.append(str(err))
+    try:
+        hf_rtp.whole_model(trainer.model.get_base_model())
+    except hf_rtp.RotatedStateError as err:
+        refused.append(str(err))
     torch.manual_seed(0)
     again = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, quantization_config=_bnb("nf4", True))
     _, resumed, _ = _sft(again, os.path.join(out, "rotated"), resume=os.path.join(out, "rotated", "checkpoint-2"))
@@ -237,6 +241,7 @@ def test_qlora_with_sfttrainer_trains_saves_resumes_like_vanilla_and_refuses_mer
         assert adapter[name][0] == dtype, (name, adapter[name][0], dtype)
         assert abs(adapter[name][1] - tensor).max() <= 1e-2 * abs(tensor).max(), name  # bf16 weights
     assert "merging adapters on a 4-bit base" in refused[0] and "does not save a quantized base" in refused[1]
+    assert "whole_model: this model's base is 4-bit" in refused[2]
     assert resumed[-2:] == pytest.approx(losses[-2:], abs=1e-6)  # steps 3 and 4 again, from checkpoint-2
     assert served < 1e-5
 
