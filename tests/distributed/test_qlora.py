@@ -56,16 +56,16 @@ def _vanilla_rows(vanilla, name, rank, world):
     return packed, absmax.view(out, -1)[start:end]
 
 
-def _compare(ckpt, quant_type, double):
+def _compare(ckpt, quant_type, double, dtype=torch.float32):
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = _bnb(quant_type, double)
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config)
-    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config)
+    config = _bnb(quant_type, double, dtype)
+    model = hf_rtp.from_pretrained(ckpt, dtype=dtype, quantization_config=config)
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, quantization_config=config)
 
     stored = {}
     for name, module in vanilla.named_modules():
@@ -94,7 +94,8 @@ def _compare(ckpt, quant_type, double):
         for name, p in model.named_parameters()
         if p.requires_grad
     }
-    return stored, (logits[0] - logits[1]).abs().max().item(), losses, grads
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return stored, (logits[0] - logits[1]).abs().max().item(), losses, grads, dtypes
 
 
 @pytest.mark.parametrize(
@@ -102,13 +103,30 @@ def _compare(ckpt, quant_type, double):
 )
 def test_a_4bit_base_rotates_with_vanillas_bytes_logits_and_lora_gradients(tmp_path, quant_type, double, world):
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
-    for rank, (stored, logits, losses, grads) in enumerate(run_on_ranks(_compare, world, ckpt, quant_type, double)):
+    for rank, (stored, logits, losses, grads, _) in enumerate(run_on_ranks(_compare, world, ckpt, quant_type, double)):
         assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)  # 7 per layer
         assert logits < 1e-5, (rank, logits)
         assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
         assert sum("lora_A" in n for n in grads) == 6 and sum("lora_B" in n for n in grads) == 6
         for name, (difference, scale) in grads.items():
             assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+
+
+def test_a_bf16_base_as_qlora_usually_runs_it(tmp_path):
+    """bf16 weights quantized from bf16 rows, bf16 compute; prepare_model_for_kbit_training then casts every
+    bf16 parameter that is not 4-bit to float32 (the rotated embedding and head included), as in vanilla."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
+    for rank, (stored, logits, losses, grads, dtypes) in enumerate(
+        run_on_ranks(_compare, 2, ckpt, "nf4", True, torch.bfloat16)
+    ):
+        assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)
+        assert logits == 0.0, (rank, logits)  # the same bf16 kernels on the same rows
+        assert abs(losses[0] - losses[1]) < 1e-3, (rank, losses)
+        assert dtypes == ["torch.float32", "torch.uint8"], dtypes
+        # bf16 matmuls (bnb_4bit_compute_dtype): the input gradient is summed over the ring's pieces, each
+        # rounded to bf16, where vanilla rounds one matmul once; a ulp here and there, through two layers
+        for name, (difference, scale) in grads.items():
+            assert scale > 0 and difference <= 3e-2 * scale, (rank, name, difference, scale)
 
 
 def _narrow(ckpt):
