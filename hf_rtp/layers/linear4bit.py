@@ -47,7 +47,7 @@ class Quant4bit:
 
 
 def packed_columns(in_features: int, spec: Quant4bit) -> int:
-    """Bytes per row of a piece without its bias: packed data, then absmax."""
+    """Bytes per row of a piece: packed data, then absmax."""
     return in_features // 2 + in_features // spec.blocksize * ABSMAX_BYTES
 
 
