@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from support.compare import GRAD_ATOL, GRAD_RTOL
+from support.compare import GRAD_ATOL, GRAD_RTOL, trainable_grad_gaps
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -46,12 +46,7 @@ def _dora_with_dropout(ckpt, plan):
         loss.backward()
         losses.append(loss.item())
     hf_rtp.sync_grads(model)
-    reference = dict(vanilla.named_parameters())
-    grads = {
-        name: ((p.grad - reference[name].grad).abs().max().item(), reference[name].grad.abs().max().item())
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
+    grads = trainable_grad_gaps(model, vanilla)
     return losses, grads
 
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from support.compare import trainable_grad_gaps
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -88,12 +89,7 @@ def _compare(ckpt, quant_type, double, dtype=torch.float32):
         loss.backward()
         losses.append(loss.item())
     hf_rtp.sync_grads(model)
-    reference = dict(vanilla.named_parameters())
-    grads = {
-        name: ((p.grad - reference[name].grad).abs().max().item(), reference[name].grad.abs().max().item())
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
+    grads = trainable_grad_gaps(model, vanilla)
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     return stored, (logits[0] - logits[1]).abs().max().item(), losses, grads, dtypes
 

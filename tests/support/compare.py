@@ -126,3 +126,14 @@ def backward_both(model, ref, batches, rank):
     hf_rtp.sync_grads(model)
     torch.stack([float64_loss(o, b, ref.config) for o, b in zip(ref_outs, batches, strict=True)]).mean().backward()
     return out, ref_outs
+
+
+def trainable_grad_gaps(model, reference) -> dict[str, tuple[float, float]]:
+    """Each trainable parameter's name -> (largest |grad - reference's grad|, largest |reference's grad|), for
+    replicated parameters (adapters) of a model and its vanilla reference; plain floats cross a result queue."""
+    theirs = dict(reference.named_parameters())
+    return {
+        name: ((p.grad - theirs[name].grad).abs().max().item(), theirs[name].grad.abs().max().item())
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
