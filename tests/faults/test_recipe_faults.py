@@ -1,18 +1,20 @@
-"""The recipe under torchrun with one rank killed or stopped at a named point (HF_RTP_FAULT): the live
-rank fails within its timeout with a message naming the likely cause, and the last checkpoint loads."""
+"""The recipe under torchrun with one rank killed or stopped, at a named point (HF_RTP_FAULT) or from
+outside: the live rank fails within its timeout with a message naming the likely cause, and the last
+checkpoint loads and resumes. Every run resumes the session's default run (support.recipes)."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
+import psutil
 import pytest
+from support import recipes
 from support.spawn import kill_launcher, kill_matching
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 TIMEOUT_S = 10
 ENV = {
     **os.environ,
@@ -37,7 +39,7 @@ def _torchrun(out, *extra, fault=None, cause=None):
         "--nproc_per_node",
         "2",
         *monitor,
-        FINETUNE,
+        recipes.FINETUNE,
         "--output_dir",
         out,
         "--eval_every",
@@ -67,15 +69,6 @@ def _torchrun(out, *extra, fault=None, cause=None):
         return job.returncode, err.read(), seconds
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A clean run to step 2, with its checkpoint: what every faulty run resumes from."""
-    out = str(tmp_path_factory.mktemp("run"))
-    returncode, stderr, seconds = _torchrun(out, "--max_steps", "2")
-    assert returncode == 0, stderr[-3000:]
-    return out, seconds
-
-
 @pytest.mark.parametrize(
     "fault, cause",
     [
@@ -85,22 +78,73 @@ def trained(tmp_path_factory):
     ],
 )
 def test_a_rank_killed_or_stopped_ends_the_job_in_time_with_the_cause_and_the_last_checkpoint_resumes(
-    trained, tmp_path, fault, cause
+    default_run, tmp_path, fault, cause
 ):
-    out, clean_seconds = trained
     run = str(tmp_path / "run")
     os.makedirs(run)
-    default = os.path.join(out, "default")
+    default = os.path.join(default_run, "default")
     data = ["--model", f"{default}/model", "--dataset", f"{default}/data/train.jsonl"]
-    returncode, stderr, seconds = _torchrun(
-        run, "--max_steps", "4", "--resume_from", os.path.join(out, "checkpoint-2"), *data, fault=fault, cause=cause
-    )
+    resume = ["--resume_from", os.path.join(default_run, "checkpoint-4")]
+    returncode, stderr, seconds = _torchrun(run, "--max_steps", "6", *resume, *data, fault=fault, cause=cause)
     assert cause in stderr, stderr[-4000:]
-    assert seconds < clean_seconds + 3 * TIMEOUT_S, seconds  # bounded by the timeout, not by hope
+    # bounded by the timeout, not by hope: the clean default run (8 steps) is the time a launch takes here
+    assert seconds < default_run.seconds + 3 * TIMEOUT_S, seconds
     assert returncode != 0
     left = [os.path.join(run, f) for f in os.listdir(run) if re.fullmatch(r"checkpoint-\d+", f)]  # saves that finished
-    for checkpoint in [os.path.join(out, "checkpoint-2"), *left]:
-        assert _loads(checkpoint, f"{default}/model") in (2, 4)
+    for checkpoint in [os.path.join(default_run, "checkpoint-4"), *left]:
+        assert _loads(checkpoint, f"{default}/model") in (4, 6)
+
+
+def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [
+        *recipes.torchrun(2),
+        recipes.FINETUNE,
+        "--output_dir",
+        out,
+        "--max_steps",
+        "500",
+        "--save_every",
+        "2",
+        "--eval_every",
+        "0",
+        *recipes.same_data(default_run),
+    ]
+    job = subprocess.Popen(
+        cmd, env=recipes.ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(out, "checkpoint-2", "training_state.json")):
+            assert time.monotonic() < deadline and job.poll() is None, "the run never reached checkpoint-2"
+            time.sleep(0.2)
+        rank1 = [p for p in psutil.Process(job.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert rank1, "rank 1 not found"
+        rank1[0].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.communicate(timeout=90)  # the survivor must stop, not hang
+        assert job.returncode != 0 and time.monotonic() - killed_at < 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+    steps_done = recipes.metrics(out)[-1]["step"]
+    recipes.run(
+        [
+            *recipes.torchrun(2),
+            recipes.FINETUNE,
+            "--output_dir",
+            out,
+            "--max_steps",
+            str(steps_done + 2),
+            "--eval_every",
+            "0",
+            "--resume_from",
+            os.path.join(out, "checkpoint-2"),
+            *recipes.same_data(default_run),
+        ]
+    )
+    steps = [r["step"] for r in recipes.metrics(out)]
+    assert steps[-steps_done:] == list(range(3, steps_done + 3))  # continued after checkpoint-2
 
 
 def _loads(checkpoint, model_path):
