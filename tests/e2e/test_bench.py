@@ -87,9 +87,20 @@ def test_bench_refuses_bad_arguments(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.fixture(scope="module")
+def rank_server():
+    """One rank server for the in-process runs below, as a script that benches several times can keep one:
+    each bench.main forks its ranks from it instead of starting its own."""
+    from hf_rtp.tools.bench.processes import preloaded_ranks
+
+    with preloaded_ranks(threads=1) as server:
+        yield server
+
+
 def _bench(tmp_path, capsys, args: list[str]) -> str:
     """hf_rtp.tools.bench.main in this process, as notebooks/03 calls it (the command line has its own test
-    above): the same runs and files, without a second interpreter importing everything; what it printed."""
+    above): the same runs and files, without a second interpreter importing everything; what it printed.
+    Callers take the `rank_server` fixture."""
     from hf_rtp.tools.bench import main
     from hf_rtp.tools.bench.presets import make_preset
 
@@ -98,7 +109,7 @@ def _bench(tmp_path, capsys, args: list[str]) -> str:
     return capsys.readouterr().out
 
 
-def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(tmp_path, capsys):
+def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(tmp_path, capsys, rank_server):
     out = tmp_path / "out"
     budget = 0.1  # GB per rank: the tiny preset's estimates put DDP at 4 sequences of 128, RTP at 8
     args = [
@@ -125,7 +136,7 @@ def test_budget_mode_reports_each_strategys_largest_batch_that_was_seen_to_fit(t
     assert (out / "budget.png").stat().st_size > 0
 
 
-def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(tmp_path, capsys):
+def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(tmp_path, capsys, rank_server):
     # 16 tokens: this CPU has no bf16 matmul instructions (a bf16 matmul runs ~50x slower than float32)
     out = tmp_path / "out"
     args = [
@@ -154,7 +165,7 @@ def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(t
     assert abs(rows["fsdp2"]["loss_first"] - rows["rtp"]["loss_first"]) < 1e-2
 
 
-def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys):
+def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys, rank_server):
     out = tmp_path / "out"
     args = [
         "--world-sizes",

@@ -23,6 +23,8 @@ def test_forked_ranks_start_as_fresh_interpreters_and_failures_are_reported_and_
         with pytest.raises(RuntimeError, match=r"did not finish within 2 s on 2 ranks"):
             run_ranks("support.rank_probe", ["stop"], 2, timeout=2)
         assert server.children() == []  # the stopped ranks were killed and reaped
+        with preloaded_ranks(threads=1) as nested:  # a bench run inside keeps this server, and leaves it
+            assert nested is rank_server
         again = run_ranks("support.rank_probe", [], 2)  # and the server still serves
     assert not server.is_running()
     assert {r["pid"] for r in forked}.isdisjoint(r["pid"] for r in again)  # a new fork for every run

@@ -74,14 +74,19 @@ _START_TIMEOUT_S = 600  # the server's imports and forks, when the run itself ha
 @contextlib.contextmanager
 def preloaded_ranks(threads: int = 1):
     """Within it, run_ranks forks ranks from one server that imported torch, transformers and hf_rtp
-    once (rank_server.py), instead of starting an interpreter per rank; the server ends with it."""
+    once (rank_server.py), instead of starting an interpreter per rank; the server ends with it. Nested
+    inside one with the same `threads` (several bench runs in one script or test module), it uses that
+    server: its forks start as fresh as the first ones (tests/e2e/test_bench_rank_server.py)."""
     global _server
-    server = RankServer(threads)
+    if _server is not None and _server.threads == threads and _server.proc.poll() is None:
+        yield _server
+        return
+    outer, server = _server, RankServer(threads)
     _server = server
     try:
         yield server
     finally:
-        _server = None
+        _server = outer
         server.close()
 
 
@@ -89,6 +94,7 @@ class RankServer:
     """The parent's end of rank_server.py: one request per strategy run, one line per answer."""
 
     def __init__(self, threads: int):
+        self.threads = threads
         self.folder = tempfile.TemporaryDirectory(prefix="hf_rtp-ranks-")
         self._log = open(os.path.join(self.folder.name, "server.err"), "w+")  # noqa: SIM115  # closed in close()
         self.proc = subprocess.Popen(
