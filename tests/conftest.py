@@ -8,19 +8,31 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(__file__))  # `import support` from any test folder
 
-# Longest files first, so that no worker finishes alone. `python -m pytest` runs on pytest-xdist workers
-# (`--dist loadfile`: a file's tests and module fixtures stay on one worker; `--no-loadscope-reorder`: they
-# take files in this order, not by how many tests a file holds). The first two need nothing from each
-# other; the files that resume the session's default run wait for it on a lock (support.recipes).
+# Longest files first (those of about 20 s or more in `--durations=0`), so that no worker finishes alone.
+# `python -m pytest` runs on pytest-xdist workers (`--dist loadfile`: a file's tests and module fixtures stay
+# on one worker; `--no-loadscope-reorder`: they take files in this order, not by how many tests a file
+# holds). The first two need nothing from each other; the files that resume the session's default run
+# wait for it on a lock (support.recipes).
 _FIRST = (
     "tests/e2e/test_notebooks.py",
     "tests/faults/test_recipe_faults.py",
     "tests/e2e/test_recipes.py",
-    "tests/e2e/test_bench.py",
-    "tests/e2e/test_recipe_on_two_nodes.py",
     "tests/faults/test_collective_misuse.py",
+    "tests/e2e/test_recipe_on_two_nodes.py",
+    "tests/e2e/test_bench.py",
     "tests/e2e/test_bench_rank_server.py",
     "tests/e2e/test_recipe_with_trainer_and_qlora.py",
+    "tests/distributed/test_zoo.py",
+    "tests/distributed/test_bad_input.py",
+    "tests/faults/test_resume_faults.py",
+    "tests/distributed/test_qlora.py",
+    "tests/distributed/test_two_dimensional.py",
+    "tests/distributed/test_two_launchers.py",
+    "tests/distributed/test_equivalence.py",
+    "tests/distributed/test_trainer.py",
+    "tests/faults/test_save_conflicts.py",
+    "tests/faults/test_save_faults.py",
+    "tests/distributed/test_resize_embeddings.py",
     "tests/e2e/",
     "tests/faults/",
     "tests/distributed/",
