@@ -111,7 +111,13 @@ def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
         *recipes.same_data(default_run),
     ]
     job = subprocess.Popen(
-        cmd, env=recipes.ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
+        cmd,
+        env=recipes.ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -124,9 +130,9 @@ def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
         killed_at = time.monotonic()
         job.communicate(timeout=90)  # the survivor must stop, not hang
         assert job.returncode != 0 and time.monotonic() - killed_at < 60
-    finally:
-        if job.poll() is None:
-            job.kill()
+    finally:  # torchrun and every rank of this run, also when an assertion above failed
+        kill_launcher(job)
+        kill_matching(out)
     steps_done = recipes.metrics(out)[-1]["step"]
     recipes.run(
         [
