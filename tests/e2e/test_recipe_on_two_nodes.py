@@ -2,11 +2,10 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from support.recipes import ENV, FINETUNE, ROOT, metrics, run, same_data, torchrun
+from support.recipes import ENV, accelerate_launch, finetune, metrics, resuming, run, torchrun
 from transformers import AutoModelForCausalLM
 
 
@@ -15,24 +14,11 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
     a flat 2-rank checkpoint; one launcher of 4 processes in a flat ring takes the same steps."""
     from support.spawn import finish_launchers, free_port
 
-    resume = [
-        "--max_steps",
-        "6",
-        "--eval_every",
-        "0",
-        "--resume_from",
-        os.path.join(default_run, "checkpoint-4"),
-        *same_data(default_run),
-    ]
-    flat = tmp_path / "flat"
-    run([*torchrun(4), FINETUNE, "--output_dir", str(flat), *resume])
-    port, nodes = free_port(), tmp_path / "nodes"
+    flat, nodes = tmp_path / "flat", tmp_path / "nodes"
+    run([*torchrun(4), *finetune(flat, 6, *resuming(default_run))])
+    port = free_port()
     launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        os.path.join(ROOT, "recipes", "configs", "multinode.yaml"),
+        *accelerate_launch("multinode.yaml"),
         "--num_processes",
         "4",
         "--main_process_ip",
@@ -44,7 +30,7 @@ def test_two_accelerate_launchers_as_two_nodes_train_like_one_launcher(default_r
     ]
     procs = [
         subprocess.Popen(
-            [*launch, "--machine_rank", str(node), FINETUNE, "--output_dir", str(nodes), "--rtp_size", "2", *resume],
+            [*launch, "--machine_rank", str(node), *finetune(nodes, 6, "--rtp_size", "2", *resuming(default_run))],
             env=ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 import json
 import os
 
-from support.recipes import ACCELERATE, FINETUNE, TRAINER, metrics, run, same_data
+from support.recipes import ACCELERATE, TRAINER, finetune, metrics, run, same_data
 from transformers import AutoModelForCausalLM
 
 
@@ -41,21 +41,8 @@ def test_trainer_recipe(default_run, tmp_path):
 def test_qlora_with_gradient_checkpointing(default_run, tmp_path):
     from peft import PeftModel
 
-    run(
-        [
-            *ACCELERATE,
-            FINETUNE,
-            "--output_dir",
-            str(tmp_path),
-            "--max_steps",
-            "4",
-            "--eval_every",
-            "0",
-            "--load_in_4bit",  # QLoRA: --lora on a 4-bit base
-            "--gradient_checkpointing",
-            *same_data(default_run),
-        ]
-    )
+    qlora = ["--load_in_4bit", "--gradient_checkpointing", *same_data(default_run)]  # --lora on a 4-bit base
+    run([*ACCELERATE, *finetune(tmp_path, 4, *qlora)])
     assert metrics(tmp_path)[-1]["loss"] < metrics(tmp_path)[0]["loss"]
     final = os.path.join(tmp_path, "final")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(final))

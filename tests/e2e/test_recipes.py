@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from support.recipes import FINETUNE, ROOT, metrics, run, same_data, torchrun
+from support.recipes import ROOT, finetune, metrics, resuming, run, same_data, torchrun
 from transformers import AutoModelForCausalLM
 
 
@@ -28,21 +28,7 @@ def test_default_run_learns_logs_and_saves_a_vanilla_checkpoint(default_run):
 
 
 def test_resume_reproduces_the_uninterrupted_run(default_run, tmp_path):
-    run(
-        [
-            *torchrun(2),
-            FINETUNE,
-            "--output_dir",
-            str(tmp_path),
-            "--max_steps",
-            "8",
-            "--eval_every",
-            "0",
-            "--resume_from",
-            os.path.join(default_run, "checkpoint-4"),
-            *same_data(default_run),
-        ]
-    )
+    run([*torchrun(2), *finetune(tmp_path, 8, *resuming(default_run))])
     resumed = metrics(tmp_path)
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     expected = [r["loss"] for r in metrics(default_run)[4:]]
@@ -50,21 +36,7 @@ def test_resume_reproduces_the_uninterrupted_run(default_run, tmp_path):
 
 
 def test_resume_on_three_processes_from_a_two_process_checkpoint(default_run, tmp_path):
-    done = run(
-        [
-            *torchrun(3),
-            FINETUNE,
-            "--output_dir",
-            str(tmp_path),
-            "--max_steps",
-            "8",
-            "--eval_every",
-            "0",
-            "--resume_from",
-            os.path.join(default_run, "checkpoint-4"),
-            *same_data(default_run),
-        ]
-    )
+    done = run([*torchrun(3), *finetune(tmp_path, 8, *resuming(default_run))])
     assert "(2 -> 3 ranks)" in done.stdout
     resumed = metrics(tmp_path)
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
@@ -74,43 +46,15 @@ def test_resume_on_three_processes_from_a_two_process_checkpoint(default_run, tm
 
 def test_gradient_accumulation_matches_a_larger_batch(default_run, tmp_path):
     # two micro-batches of 4 are the same 16 samples per step as the default batch of 8 on 2 ranks
-    run(
-        [
-            *torchrun(2),
-            FINETUNE,
-            "--output_dir",
-            str(tmp_path),
-            "--max_steps",
-            "4",
-            "--eval_every",
-            "0",
-            "--per_device_batch_size",
-            "4",
-            "--grad_accum",
-            "2",
-            *same_data(default_run),
-        ]
-    )
+    accumulating = ["--per_device_batch_size", "4", "--grad_accum", "2", *same_data(default_run)]
+    run([*torchrun(2), *finetune(tmp_path, 4, *accumulating)])
     expected = [r["loss"] for r in metrics(default_run)[:4]]
     assert [r["loss"] for r in metrics(tmp_path)] == pytest.approx(expected, abs=1e-4)
 
 
 def test_single_process_and_offline_push(default_run, tmp_path):
     done = run(
-        [
-            sys.executable,
-            FINETUNE,
-            "--output_dir",
-            str(tmp_path),
-            "--max_steps",
-            "3",
-            "--eval_every",
-            "0",
-            "--push_to_hub",
-            "someone/tiny",
-            *same_data(default_run),
-        ],
-        ok=False,
+        [sys.executable, *finetune(tmp_path, 3, "--push_to_hub", "someone/tiny", *same_data(default_run))], ok=False
     )
     assert done.returncode != 0 and "could not push" in done.stderr and "checkpoint itself is complete" in done.stderr
     final = os.path.join(tmp_path, "final")

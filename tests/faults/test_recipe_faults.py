@@ -97,19 +97,7 @@ def test_a_rank_killed_or_stopped_ends_the_job_in_time_with_the_cause_and_the_la
 
 def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
     out = str(tmp_path / "run")
-    cmd = [
-        *recipes.torchrun(2),
-        recipes.FINETUNE,
-        "--output_dir",
-        out,
-        "--max_steps",
-        "500",
-        "--save_every",
-        "2",
-        "--eval_every",
-        "0",
-        *recipes.same_data(default_run),
-    ]
+    cmd = [*recipes.torchrun(2), *recipes.finetune(out, 500, "--save_every", "2", *recipes.same_data(default_run))]
     job = subprocess.Popen(
         cmd,
         env=recipes.ENV,
@@ -134,21 +122,8 @@ def test_killed_rank_stops_the_run_and_it_resumes(default_run, tmp_path):
         kill_launcher(job)
         kill_matching(out)
     steps_done = recipes.metrics(out)[-1]["step"]
-    recipes.run(
-        [
-            *recipes.torchrun(2),
-            recipes.FINETUNE,
-            "--output_dir",
-            out,
-            "--max_steps",
-            str(steps_done + 2),
-            "--eval_every",
-            "0",
-            "--resume_from",
-            os.path.join(out, "checkpoint-2"),
-            *recipes.same_data(default_run),
-        ]
-    )
+    resume = ["--resume_from", os.path.join(out, "checkpoint-2"), *recipes.same_data(default_run)]
+    recipes.run([*recipes.torchrun(2), *recipes.finetune(out, steps_done + 2, *resume)])
     steps = [r["step"] for r in recipes.metrics(out)]
     assert steps[-steps_done:] == list(range(3, steps_done + 3))  # continued after checkpoint-2
 

@@ -18,17 +18,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 TRAINER = os.path.join(ROOT, "recipes", "trainer_sft.py")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_RTP_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
-ACCELERATE = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--config_file",
-    os.path.join(ROOT, "recipes", "configs", "cpu.yaml"),
-]
+
+
+def accelerate_launch(config: str) -> list[str]:
+    """`accelerate launch --config_file recipes/configs/<config>`."""
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(ROOT, "recipes", "configs", config),
+    ]
+
+
+ACCELERATE = accelerate_launch("cpu.yaml")
 
 
 def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+
+
+def finetune(out, max_steps: int, *extra: str) -> list[str]:
+    """recipes/finetune.py's command line after the launcher: into `out`, `max_steps` steps, no evaluation."""
+    return [FINETUNE, "--output_dir", str(out), "--max_steps", str(max_steps), "--eval_every", "0", *extra]
 
 
 def run(cmd: list[str], ok: bool = True) -> subprocess.CompletedProcess:
@@ -41,6 +53,11 @@ def run(cmd: list[str], ok: bool = True) -> subprocess.CompletedProcess:
 def metrics(out) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def resuming(out: str, checkpoint: str = "checkpoint-4") -> list[str]:
+    """Arguments that resume the default run in `out` from `checkpoint`, on its model and data."""
+    return ["--resume_from", os.path.join(out, checkpoint), *same_data(out)]
 
 
 def same_data(out: str) -> list[str]:
