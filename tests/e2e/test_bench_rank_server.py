@@ -6,6 +6,7 @@ import os
 import psutil
 import pytest
 
+from hf_rtp.tools.bench import processes
 from hf_rtp.tools.bench.processes import preloaded_ranks, run_ranks
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +26,9 @@ def test_forked_ranks_start_as_fresh_interpreters_and_failures_are_reported_and_
         assert server.children() == []  # the stopped ranks were killed and reaped
         with preloaded_ranks(threads=1) as nested:  # a bench run inside keeps this server, and leaves it
             assert nested is rank_server
+        with preloaded_ranks(threads=2) as other:  # other threads: a server of its own, closed after it
+            assert other is not rank_server and processes._server is other
+        assert other.proc.poll() is not None and processes._server is rank_server
         again = run_ranks("support.rank_probe", [], 2)  # and the server still serves
     assert not server.is_running()
     assert {r["pid"] for r in forked}.isdisjoint(r["pid"] for r in again)  # a new fork for every run
