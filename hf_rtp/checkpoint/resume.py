@@ -34,6 +34,7 @@ from .safetensors_io import read_header
 STATE_FILE = "training_state.json"
 MARKER = ".hf_rtp-state.json"  # written first into `<dir>.partial`: the folder is this save's own
 _FORMAT = 2  # 2: `extra` under its own key; 1 (older): `extra` merged into hf_rtp's records
+_BLOCK_SCALES = re.compile(r"^optim\..*\.(absmax|qmap)[12]$")  # bitsandbytes' 8-bit state (distributed/blockwise.py)
 _DCP_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -42,9 +43,13 @@ def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
     model_sd, optim_sd = get_state_dict(model, optimizer)  # creates optimizer state with the right layout
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     states: Any = optim_sd["state"]  # {fqn: {key: value}}; DCP's annotation covers every state dict shape
-    for fqn, state in states.items():
+    shared: set[int] = set()
+    for fqn, state in sorted(states.items()):
         for key, value in _leaves(state):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and id(value) not in shared:
+                # one tensor several parameters' state holds (bitsandbytes' 8-bit code maps, `qmap1`) is written
+                # once, under its first name, and read back into the one tensor they all share
+                shared.add(id(value))
                 flat[f"optim.{fqn}.{key}"] = value
     return model_sd, optim_sd, flat
 
@@ -337,6 +342,14 @@ def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd:
         raise CheckpointError(f"cannot read the tensors of {directory} ({type(err).__name__}: {err})") from err
     missing = sorted(set(flat) - set(stored))
     unknown = sorted(set(stored) - set(flat))
+    if any(_BLOCK_SCALES.search(k) for k in missing + unknown):
+        raise CheckpointError(
+            f"{directory} holds bitsandbytes optimizer state in another form than this run keeps it: "
+            + (f"it lacks {_listing(missing)}" if missing else f"it holds {_listing(unknown)}")
+            + ". hf_rtp keeps a parameter's 8-bit state only where every rank's rows start on one of bitsandbytes' "
+            "256-element blocks, float32 state elsewhere, and that depends on the world size: resume at the world "
+            f"size it was saved at ({state.get('world_size')}), or at one where the same parameters align"
+        )
     if missing or unknown:
         raise CheckpointError(
             f"{directory} does not match this model and optimizer: "
@@ -351,6 +364,13 @@ def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd:
         if not isinstance(meta, TensorStorageMetadata):
             raise CheckpointError(f"{directory} stores {key} as bytes, not as a tensor: it belongs to another model")
         covered = sum(math.prod(c.sizes) for c in {(tuple(c.offsets), tuple(c.sizes)): c for c in meta.chunks}.values())
+        # DCP would cast into it: bitsandbytes' uint8 codes read as float32 moments
+        if meta.properties.dtype.is_floating_point != tensor.dtype.is_floating_point:
+            raise CheckpointError(
+                f"{directory} stores {key} as {meta.properties.dtype}, but this optimizer keeps it as {tensor.dtype}: "
+                "it was saved with other optimizer settings (optim_bits, or another world size where bitsandbytes' "
+                "blocks align differently). Resume with the settings and world size it was saved with"
+            )
         if tuple(meta.size) != shape or covered != math.prod(shape):
             raise CheckpointError(
                 f"{directory} holds {covered} of the {math.prod(shape)} elements of {key} (shape {list(meta.size)}, "
