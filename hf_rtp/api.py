@@ -178,6 +178,8 @@ def from_pretrained(
         log.warning(f"checkpoint tensors not used by {type(model).__name__}: {', '.join(unexpected[:8])}")
 
     install(model, resolution, tensors, topology)
+    if topology.rtp_size > 1:
+        bitsandbytes.step_on_rows()  # its optimizers' state of rotated rows
     if quantized:
         bitsandbytes.swap_modules(model, quantized, options.quantization_config)
     if fresh:

@@ -32,7 +32,7 @@ from ..private.torch_names import (
     local_tensor,
     set_implicit_replication,
 )
-from . import rendezvous
+from . import blockwise, rendezvous
 from .sharding import chunk_rows
 
 _PICKLE_REFUSED = (
@@ -43,12 +43,6 @@ _PICKLE_REFUSED = (
 )
 
 
-_BITSANDBYTES_REFUSED = (
-    "bitsandbytes' {op} on a rotated parameter: hf_rtp does not run bitsandbytes optimizers (8-bit, paged or "
-    "32-bit state) on rotated rows yet. Use torch.optim.AdamW (Trainer's optim='adamw_torch') for a model whose "
-    "rotated weights train; on a QLoRA model (quantization_config), whose rotated base is frozen, bitsandbytes "
-    "optimizers over the adapters work as in vanilla"
-)
 _C10D_REFUSED = (
     "{op} on a rotated tensor: a torch.distributed collective treats it as one tensor every rank holds, but each "
     "rank holds other rows of it, trained on other data. Its weights, gradients and optimizer state are already "
@@ -170,7 +164,7 @@ class RotatedTensor(DTensor):
         if rotated and getattr(func, "namespace", None) == "c10d":
             raise RotatedStateError(_C10D_REFUSED.format(op=func))
         if rotated and getattr(func, "namespace", None) == "bitsandbytes":
-            raise RotatedStateError(_BITSANDBYTES_REFUSED.format(op=func))
+            return blockwise.step_rows(func, args, kwargs or {})  # an optimizer's update, on this rank's rows
         if func is amp_unscale and not isinstance(args[0][0], DTensor):
             # in place per tensor, one found_inf for all: the order is free, and DTensor's handler wants a
             # DTensor first (it takes the mesh from it and reduces found_inf over the ring, for every tensor)
@@ -357,6 +351,11 @@ def _marked(tensor: DTensor) -> RotatedTensor:
 
 def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
     return _marked(param)
+
+
+def rotated_scales(param: DTensor) -> RotatedTensor:
+    """Zeros for the block scales of a rotated parameter's 8-bit optimizer state (distributed/blockwise.py)."""
+    return _marked(blockwise.zero_scales(param))
 
 
 def keep_rotated(module: torch.nn.Module) -> None:

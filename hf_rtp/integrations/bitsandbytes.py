@@ -14,14 +14,19 @@ its own rows unquantized.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..distributed.rotated import whole
+from .. import log
+from ..distributed.blockwise import BLOCK, aligned
+from ..distributed.rotated import RotatedTensor, rotated_scales, whole
 from ..distributed.sharding import chunk_rows
+from ..errors import RotatedStateError
 from ..layers.linear import RotatedLinear
 from ..layers.linear4bit import Quant4bit, RotatedLinear4bit, packed_columns, piece_of, quantize_double, quantize_rows
 from ..private.transformers_names import keep_in_fp32_modules
@@ -155,3 +160,79 @@ def swap_modules(model: Any, chosen: dict[str, Quant4bit], config) -> None:
         model.set_submodule(name, RotatedLinear4bit(cast(RotatedLinear, model.get_submodule(name)), spec=spec))
     model.is_loaded_in_4bit = True
     model.config.quantization_config = config
+
+
+# bitsandbytes' optimizers on rotated rows (distributed/blockwise.py runs their update ops on each rank's rows)
+
+_UNALIGNED = (
+    "bitsandbytes keeps 8-bit optimizer state in blocks of {block} elements of the flattened tensor, and at {world} "
+    "ranks the rows of {count} rotated parameter(s) (shapes {shapes}) do not start on such a block on every rank: "
+    "hf_rtp keeps their state in float32 (as optim_bits=32 would), so their steps differ slightly from vanilla's "
+    "8-bit ones. Rows whose width is a multiple of {block} (every real model's hidden size) always align"
+)
+_PAGED = "hf_rtp keeps a paged bitsandbytes optimizer's state of rotated rows in ordinary device memory, unpaged"
+_HOOK: list = []
+
+
+def step_on_rows() -> None:
+    """Once per process, on the first rotated load: a step pre-hook that gives each rotated parameter of a
+    bitsandbytes optimizer its state before bitsandbytes' own `init_state` would (which sizes the 8-bit block
+    scales by the whole tensor): bitsandbytes' own init, then the scales as this rank's blocks
+    (`rotated_scales`), or float32 state where the rows do not align. It returns at once for any optimizer that
+    is not bitsandbytes' or holds no rotated parameter without state (DESIGN.md, "Patches")."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    if module is None or not isinstance(optimizer, module.Optimizer8bit):
+        return
+    fresh = [
+        (gindex, pindex, group, p)
+        for gindex, group in enumerate(optimizer.param_groups)
+        for pindex, p in enumerate(group["params"])
+        if isinstance(p, RotatedTensor) and p.grad is not None and not optimizer.state.get(p)
+    ]
+    if not fresh:
+        return
+    if not optimizer.initialized:
+        optimizer.check_overrides()  # bitsandbytes' first step does it before init_state: module overrides
+    for gindex, pindex, group, _ in fresh:  # before any state exists or any row has stepped
+        if optimizer.get_config(gindex, pindex, group)["max_unorm"] > 0.0:
+            raise RotatedStateError(
+                f"{type(optimizer).__name__} bounds each update by the whole parameter's norm (max_unorm, as LAMB "
+                "and LARS do), which no rank can compute from its rows alone. Use bitsandbytes' AdamW8bit, Adam8bit, "
+                "Lion8bit (or their 32-bit and paged forms), or torch.optim.AdamW, with a rotated model"
+            )
+    paged, optimizer.is_paged = optimizer.is_paged, optimizer.is_paged and fresh[0][3].device.type == "cpu"
+    if paged and not optimizer.is_paged:  # its paged buffers take the whole shape; on CPU it does not page
+        log.warning(_PAGED)
+    try:
+        unaligned = [p for gindex, pindex, group, p in fresh if not _init_rows(optimizer, group, p, gindex, pindex)]
+    finally:
+        optimizer.is_paged = paged
+    if unaligned:
+        shapes = ", ".join(str(tuple(p.shape)) for p in unaligned[:5]) + (", ..." if len(unaligned) > 5 else "")
+        world = unaligned[0].device_mesh.size()
+        log.warning(_UNALIGNED.format(block=BLOCK, world=world, count=len(unaligned), shapes=shapes))
+
+
+def _init_rows(optimizer, group: dict, p: DTensor, gindex: int, pindex: int) -> bool:
+    """bitsandbytes' own init (8-bit or not by the global size), its block scales made this rank's; False when
+    the rows do not align and the state became float32 instead."""
+    optimizer.init_state(group, p, gindex, pindex)
+    state = optimizer.state[p]
+    if state["state1"].dtype != torch.uint8:
+        return True
+    if aligned(p.shape, p.device_mesh.size()):
+        for key in ("absmax1", "absmax2"):
+            if key in state:
+                state[key] = rotated_scales(p)
+        return True
+    for key in ("state1", "state2"):
+        if key in state:
+            state[key] = torch.zeros_like(p, dtype=torch.float32)
+    for key in ("qmap1", "qmap2", "absmax1", "absmax2"):
+        state.pop(key, None)
+    return False

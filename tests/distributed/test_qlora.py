@@ -260,24 +260,6 @@ def test_qlora_with_sfttrainer_trains_saves_resumes_like_vanilla_and_refuses_mer
     assert served < 1e-5
 
 
-def _bnb_optimizer_on_rotated_rows(ckpt):
-    import bitsandbytes as bnb
-
-    import hf_rtp
-
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
-    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
-    batch = global_batch(2)[int(os.environ["RANK"])]
-    model(input_ids=batch, labels=batch).loss.backward()
-    hf_rtp.sync_grads(model)
-    with pytest.raises(hf_rtp.RotatedStateError, match=r"bitsandbytes optimizers \(8-bit, paged or 32-bit state\)"):
-        optimizer.step()
-
-
-def test_a_bitsandbytes_optimizer_over_trainable_rotated_rows_is_refused_by_name(tmp_path):
-    run_on_ranks(_bnb_optimizer_on_rotated_rows, 2, make_tiny("llama", tmp_path / "ckpt"))
-
-
 def _ring_bytes(ckpt):
     import hf_rtp
 
