@@ -27,7 +27,7 @@ from .distributed.agreement import agreed
 from .distributed.rotated import COMPILE_REFUSED, keep_rotated
 from .distributed.topology import setup
 from .errors import CheckpointError, RotatedStateError, TopologyError
-from .integrations import bitsandbytes
+from .integrations import bitsandbytes, torchao
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import install_when_peft_is_imported
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
@@ -180,6 +180,7 @@ def from_pretrained(
     install(model, resolution, tensors, topology)
     if topology.rtp_size > 1:
         bitsandbytes.step_on_rows()  # its optimizers' state of rotated rows
+        torchao.refuse_low_bit_optimizers()
     if quantized:
         bitsandbytes.swap_modules(model, quantized, options.quantization_config)
     if fresh:
