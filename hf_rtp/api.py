@@ -264,7 +264,7 @@ def _refuse_quantized(config) -> None:
         f"this checkpoint is quantized (its config has a quantization_config, quant_method={str(method)!r}): its "
         "weights need that method's scales and kernels, and hf_rtp does not read a quantized checkpoint yet, so it "
         "will not read them as plain weights. Load an unquantized (bfloat16 or float32) checkpoint of the model, "
-        "with quantization_config=BitsAndBytesConfig(load_in_4bit=True) for a 4-bit base"
+        "with quantization_config=BitsAndBytesConfig(load_in_4bit=True) (or load_in_8bit=True) for a quantized base"
     )
 
 

@@ -81,7 +81,7 @@ HONOURED = (
     "subfolder",
     "variant",
     "generation_config",
-    "quantization_config",  # bitsandbytes 4-bit (integrations/bitsandbytes.py); every other one refused by name
+    "quantization_config",  # bitsandbytes 4/8-bit (integrations/bitsandbytes.py); others refused by name
     "device_mesh",  # hf_rtp's own: the ranks to rotate on (transformers': its tensor-parallel mesh)
     "attn_implementation",  # config overrides, passed on to the config as vanilla does
     "experts_implementation",

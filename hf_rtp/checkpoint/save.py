@@ -113,9 +113,10 @@ def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max
     wrote into the folder (its whole checkpoint), and [] on every other rank."""
     topology: Topology = state_of(model).topology
     save_directory = os.fspath(save_directory)
-    if getattr(model, "is_loaded_in_4bit", False):
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         raise CheckpointError(
-            "this model's base was loaded with quantization_config (4-bit): hf_rtp does not save a quantized base. "
+            "this model's base was loaded with quantization_config (4- or 8-bit): hf_rtp does not save a quantized "
+            "base. "
             "Save the adapter (Trainer.save_model, or PeftModel.save_pretrained), which vanilla PEFT loads onto "
             "the original checkpoint; to save merged weights, merge the adapter in vanilla on an unquantized base"
         )

@@ -1,14 +1,15 @@
-"""bitsandbytes: `quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)`, a frozen 4-bit base that
-rotates (QLoRA), with the modules transformers would quantize and the numbers its Linear4bit computes.
+"""bitsandbytes: `quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)` (QLoRA) or `load_in_8bit=True`
+(LLM.int8()), a frozen quantized base that rotates, with the modules transformers would quantize and the numbers
+its Linear4bit / Linear8bitLt compute; and its optimizers' state on rotated rows (below).
 
-transformers decides which modules become bitsandbytes' Linear4bit (every exact nn.Linear or Conv1D but
-those its quantizer keeps: the output embeddings, tied weights, `llm_int8_skip_modules`, a class's
+transformers decides which modules become bitsandbytes' Linear4bit or Linear8bitLt (every exact nn.Linear or
+Conv1D but those its quantizer keeps: the output embeddings, tied weights, `llm_int8_skip_modules`, a class's
 float32 modules); hf_rtp asks it the same question (`HfQuantizer.get_modules_to_not_convert`,
-`should_convert_module`). Each such module must be a rotated linear here, and its `in_features` a
+`should_convert_module`). Each such module must be a rotated linear here, and for 4 bits its `in_features` a
 multiple of the block size, so that every rank's rows quantize exactly as the whole tensor does
-(layers/linear4bit.py); anything else is refused by name before a byte is read. Each rank reads its rows
-in the load dtype and quantizes them as they are read, so no rank ever holds a whole weight, or all of
-its own rows unquantized.
+(layers/linear4bit.py; 8 bits quantize each row alone, layers/linear8bit.py); anything else is refused by name
+before a byte is read. Each rank reads its rows in the load dtype and quantizes them as they are read, so no
+rank ever holds a whole weight, or all of its own rows unquantized.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from ..distributed.sharding import chunk_rows
 from ..errors import RotatedStateError
 from ..layers.linear import RotatedLinear
 from ..layers.linear4bit import Quant4bit, RotatedLinear4bit, packed_columns, piece_of, quantize_double, quantize_rows
+from ..layers.linear8bit import SCALE_BYTES, Quant8bit, RotatedLinear8bit, quantize_rows8
 from ..private.transformers_names import keep_in_fp32_modules
 
 BLOCKSIZE = 64  # bitsandbytes' Params4bit default, which transformers' Linear4bit uses
 SUPPORTED = (
-    "hf_rtp rotates bitsandbytes 4-bit only: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4' or "
-    "'fp4', bnb_4bit_compute_dtype=..., bnb_4bit_use_double_quant=True or False)"
+    "hf_rtp rotates bitsandbytes only: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4' or "
+    "'fp4', bnb_4bit_compute_dtype=..., bnb_4bit_use_double_quant=True or False) or BitsAndBytesConfig("
+    "load_in_8bit=True, llm_int8_threshold=..., llm_int8_skip_modules=...)"
 )
 
 
@@ -56,8 +59,12 @@ def checked_config(quantization_config: Any):
             "whole or dequantized"
         )
     refused = {
-        "load_in_8bit=True": quantization_config.load_in_8bit,
-        "neither load_in_4bit nor load_in_8bit": not quantization_config.load_in_4bit,
+        "neither load_in_4bit nor load_in_8bit": not (
+            quantization_config.load_in_4bit or quantization_config.load_in_8bit
+        ),
+        "llm_int8_has_fp16_weight=True (trainable 8-bit weights)": (
+            quantization_config.load_in_8bit and quantization_config.llm_int8_has_fp16_weight
+        ),
         f"bnb_4bit_quant_storage={quantization_config.bnb_4bit_quant_storage}": (
             quantization_config.bnb_4bit_quant_storage != torch.uint8
         ),
@@ -67,7 +74,7 @@ def checked_config(quantization_config: Any):
         if present:
             raise TypeError(
                 f"hf_rtp.from_pretrained does not take a BitsAndBytesConfig with {setting}: {SUPPORTED} "
-                "(the packed bytes are stored as uint8; hf_rtp shards them by rows itself)"
+                "(a frozen base whose quantized bytes hf_rtp stores as uint8 and shards by rows itself)"
             )
     try:
         import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
@@ -76,9 +83,9 @@ def checked_config(quantization_config: Any):
     return quantization_config
 
 
-def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) -> dict[str, Quant4bit]:
-    """The modules transformers would make Linear4bit, each with what computing it needs; the biases of those
-    modules become replicated parameters in `resolution` (read whole, as vanilla holds them)."""
+def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) -> dict[str, Quant4bit | Quant8bit]:
+    """The modules transformers would make Linear4bit (Linear8bitLt), each with what computing it needs; the biases
+    of those modules become replicated parameters in `resolution` (read whole, as vanilla holds them)."""
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
@@ -91,8 +98,12 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"bitsandbytes quantizes float32, bfloat16 or float16 weights, not dtype={dtype}")
     kept = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules, keep_in_fp32_modules(model))
-    spec = Quant4bit(config.bnb_4bit_quant_type, BLOCKSIZE, dtype, config.bnb_4bit_compute_dtype)
-    chosen: dict[str, Quant4bit] = {}
+    spec: Quant4bit | Quant8bit = (
+        Quant8bit(config.llm_int8_threshold)
+        if config.load_in_8bit
+        else Quant4bit(config.bnb_4bit_quant_type, BLOCKSIZE, dtype, config.bnb_4bit_compute_dtype)
+    )
+    chosen: dict[str, Quant4bit | Quant8bit] = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in model.named_modules():
         if not (type(module) is nn.Linear or isinstance(module, Conv1D)) or not should_convert_module(name, kept):
@@ -109,7 +120,7 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
                 f"plan does not rotate as a linear layer; hf_rtp quantizes rotated nn.Linear modules only. "
                 f"Add it to llm_int8_skip_modules to keep it unquantized, as vanilla would then"
             )
-        if module.in_features % BLOCKSIZE:
+        if isinstance(spec, Quant4bit) and module.in_features % BLOCKSIZE:
             raise TypeError(
                 f"quantization_config: {name} has in_features={module.in_features}, not a multiple of bitsandbytes' "
                 f"block size {BLOCKSIZE}, so its rows cannot be quantized apart exactly as the whole weight is. "
@@ -122,23 +133,25 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
     return chosen
 
 
-def quantizers(chosen: dict[str, Quant4bit]) -> dict:
+def quantizers(chosen: dict[str, Quant4bit | Quant8bit]) -> dict:
     """Parameter name -> what turns its rows, as read, into this rank's piece (before double quantization)."""
     return {f"{name}.weight": functools.partial(_quantized_piece, spec=spec) for name, spec in chosen.items()}
 
 
-def _quantized_piece(rows: torch.Tensor, spec: Quant4bit) -> torch.Tensor:
+def _quantized_piece(rows: torch.Tensor, spec: Quant4bit | Quant8bit) -> torch.Tensor:
+    if isinstance(spec, Quant8bit):
+        return quantize_rows8(rows)
     return piece_of(*quantize_rows(rows, spec))
 
 
-def finish(model: Any, chosen: dict[str, Quant4bit], tensors: dict, config, topology) -> None:
+def finish(model: Any, chosen: dict[str, Quant4bit | Quant8bit], tensors: dict, config, topology) -> None:
     """Collective, after the read: double quantization (its offset is the whole tensor's mean, so the ranks
     gather each weight's absmax, about 3% of its bf16 bytes, one tensor at a time), then the meta weights
     reshaped to the pieces' [out_features, bytes per row] so that install makes them rotated parameters."""
     for name in sorted(chosen):
-        module = model.get_submodule(name)
+        module, spec = model.get_submodule(name), chosen[name]
         columns = module.in_features // 2
-        if config.bnb_4bit_use_double_quant:
+        if isinstance(spec, Quant4bit) and config.bnb_4bit_use_double_quant:
             piece = tensors[f"{name}.weight"]
             absmax = piece[:, columns:].contiguous().view(torch.float32)
             shape = torch.Size((module.out_features, absmax.shape[1]))
@@ -147,18 +160,31 @@ def finish(model: Any, chosen: dict[str, Quant4bit], tensors: dict, config, topo
             start, end = chunk_rows(module.out_features, topology.rtp_size, topology.rtp_rank)
             restored = quantize_double(whole(gathered))[start:end]
             tensors[f"{name}.weight"] = piece_of(piece[:, :columns], restored)
-        width = packed_columns(module.in_features, chosen[name])
+        width = (
+            packed_columns(module.in_features, spec)
+            if isinstance(spec, Quant4bit)
+            else module.in_features + SCALE_BYTES
+        )
         module.weight = nn.Parameter(
             torch.empty(module.out_features, width, dtype=torch.uint8, device="meta"), requires_grad=False
         )
 
 
-def swap_modules(model: Any, chosen: dict[str, Quant4bit], config) -> None:
-    """After install: each chosen rotated linear becomes its 4-bit kind; the model says it is loaded in 4 bits,
-    as vanilla's does (PEFT's prepare_model_for_kbit_training reads it)."""
+def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config) -> None:
+    """After install: each chosen rotated linear becomes its 4-bit (8-bit) kind; the model says it is loaded in 4
+    (8) bits, as vanilla's does (PEFT's prepare_model_for_kbit_training reads it)."""
     for name, spec in chosen.items():
-        model.set_submodule(name, RotatedLinear4bit(cast(RotatedLinear, model.get_submodule(name)), spec=spec))
-    model.is_loaded_in_4bit = True
+        source = cast(RotatedLinear, model.get_submodule(name))
+        kind = (
+            RotatedLinear8bit(source, spec=spec)
+            if isinstance(spec, Quant8bit)
+            else RotatedLinear4bit(source, spec=spec)
+        )
+        model.set_submodule(name, kind)
+    if config.load_in_8bit:
+        model.is_loaded_in_8bit = True
+    else:
+        model.is_loaded_in_4bit = True
     model.config.quantization_config = config
 
 

@@ -28,10 +28,11 @@ def whole_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> Pre
     `model`: training it does not train `model`; refresh it after optimizer steps by calling again.
     """
     state = state_of(model)
-    if getattr(rotated_module(model), "is_loaded_in_4bit", False):
+    base = rotated_module(model)
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
         raise RotatedStateError(
-            "hf_rtp.whole_model: this model's base is 4-bit (quantization_config), which a vanilla copy would have "
-            "to re-quantize whole on every rank. Generate on the ring (model.generate), or load the checkpoint "
+            "hf_rtp.whole_model: this model's base is 4-bit or 8-bit (quantization_config), which a vanilla copy would "
+            "have to re-quantize whole on every rank. Generate on the ring (model.generate), or load the checkpoint "
             "with transformers' from_pretrained(quantization_config=...) and your adapter for a decode-heavy phase"
         )
     config = copy.deepcopy(model.config)

@@ -254,8 +254,8 @@ def test_qlora_with_sfttrainer_trains_saves_resumes_like_vanilla_and_refuses_mer
     for name, (dtype, tensor) in v_adapter.items():
         assert adapter[name][0] == dtype, (name, adapter[name][0], dtype)
         assert abs(adapter[name][1] - tensor).max() <= 1e-2 * abs(tensor).max(), name  # bf16 weights
-    assert "merging adapters on a 4-bit base" in refused[0] and "does not save a quantized base" in refused[1]
-    assert "whole_model: this model's base is 4-bit" in refused[2]
+    assert "merging adapters on a 4-bit or 8-bit base" in refused[0] and "does not save a quantized base" in refused[1]
+    assert "whole_model: this model's base is 4-bit or 8-bit" in refused[2]
     assert resumed[-2:] == pytest.approx(losses[-2:], abs=1e-6)  # steps 3 and 4 again, from checkpoint-2
     assert served < 1e-5
 

@@ -1,5 +1,5 @@
-"""quantization_config: bitsandbytes 4-bit rotates (tests/distributed/test_qlora.py); every other method and
-every 4-bit setting hf_rtp does not reproduce is refused by name at from_pretrained, before any read, and
+"""quantization_config: bitsandbytes 4-bit and 8-bit rotate (tests/distributed/test_qlora.py, test_int8.py); every
+other method and every setting hf_rtp does not reproduce is refused by name at from_pretrained, before any read, and
 never loaded whole or dequantized."""
 
 import pytest
@@ -22,7 +22,7 @@ def _others():
         # their config classes need their libraries installed; a config.json's dict names them all the same
         "dict hqq": lambda: {"quant_method": "hqq", "nbits": 4},
         "dict torchao": lambda: {"quant_method": "torchao", "quant_type": "int8_weight_only"},
-        "load_in_8bit": lambda: BitsAndBytesConfig(load_in_8bit=True),
+        "fp16 8-bit weights": lambda: BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=True),
         "quant_storage": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16),
     }
 
@@ -34,7 +34,7 @@ EXPECTED = {
     "AwqConfig": r"quantization_config=AwqConfig \(quant_method='awq'\)",
     "dict hqq": r"quant_method='hqq'",
     "dict torchao": r"quant_method='torchao'",
-    "load_in_8bit": r"BitsAndBytesConfig with load_in_8bit=True",
+    "fp16 8-bit weights": r"BitsAndBytesConfig with llm_int8_has_fp16_weight=True \(trainable 8-bit weights\)",
     "quant_storage": r"bnb_4bit_quant_storage=torch.bfloat16",
 }
 
@@ -42,7 +42,7 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_quantization_hf_rtp_does_not_rotate_is_refused_naming_it_and_whats_supported(tmp_path, name):
     config = _others()[name]()
-    with pytest.raises(TypeError, match=EXPECTED[name] + r".*bitsandbytes 4-bit only"):
+    with pytest.raises(TypeError, match=EXPECTED[name] + r".*hf_rtp rotates bitsandbytes only.*load_in_8bit=True"):
         hf_rtp.from_pretrained(tmp_path / "never-read", quantization_config=config)
 
 

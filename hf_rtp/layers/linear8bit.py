@@ -1,0 +1,137 @@
+"""A frozen nn.Linear quantized to 8 bits by bitsandbytes (LLM.int8(), `load_in_8bit=True`), cut by output features.
+
+bitsandbytes quantizes each row of the weight alone (int8 codes and one float32 absmax per row, from the
+float16 weight), so a rank's rows quantized alone are vanilla's, for any cut. A piece is one uint8
+row-shaped tensor: the row's int8 codes, then its scale's 4 bytes; it walks the ring whole.
+
+The math is bitsandbytes' own, per piece, in the regime vanilla's Linear8bitLt picks (`bitsandbytes.matmul`):
+- training on CPU or XPU (`MatMul8bitFp`): the piece dequantized to the input's dtype, then `F.linear`;
+- otherwise (`MatMul8bitLt`): the input quantized to int8 per token once, with `llm_int8_threshold`'s outlier
+  columns kept in 16 bits, then `int8_mixed_scaled_mm` (or `int8_scaled_mm` without a threshold) per piece.
+  Each output column depends only on its weight row and the whole input, so the pieces give vanilla's columns.
+Backward computes only the input gradient, `grad @ dequantized piece`, as both of bitsandbytes' Functions do.
+No weight gradient exists or travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..distributed.ring import Ring
+from ..distributed.sharding import ChunkLayout
+from .common import local
+from .linear import RotatedLinear
+
+SCALE_BYTES = 4  # float32, one per row
+
+
+@dataclass(frozen=True)
+class Quant8bit:
+    """What computing with a piece needs beyond its bytes: `llm_int8_threshold` (outlier columns above it stay
+    in 16 bits when the int8 kernel runs; 0 turns the decomposition off)."""
+
+    threshold: float
+
+
+def quantize_rows8(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a weight [rows, in] -> their piece [rows, in + 4]: bitsandbytes' int8 codes of the float16 rows
+    (Int8Params' own quantization), then each row's float32 scale as bytes."""
+    codes, scales, _ = torch.ops.bitsandbytes.int8_vectorwise_quant.default(rows.to(torch.float16), 0.0)
+    return torch.cat([codes.view(torch.uint8), scales.contiguous().view(torch.uint8).view(-1, SCALE_BYTES)], dim=1)
+
+
+def unpack8(piece: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A piece -> its int8 codes [rows, in] and float32 scales [rows]."""
+    codes = piece[:, :in_features].contiguous().view(torch.int8)
+    scales = piece[:, in_features:].contiguous().view(torch.float32).view(-1)
+    return codes, scales
+
+
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(dtype).mul_(scales.unsqueeze(1).mul(1.0 / 127.0))  # bitsandbytes' MatMul8bit{Fp,Lt}
+
+
+class _Rotated8bitFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear8bit):
+        out = x.new_empty(*x.shape[:-1], layout.rows)
+        in_features, threshold = module.in_features, module.threshold
+        flat = x.reshape(-1, in_features)
+        dequantizing = module.training and x.device.type in ("cpu", "xpu")
+        if not dequantizing:
+            codes_x, scales_x, outliers = torch.ops.bitsandbytes.int8_vectorwise_quant.default(
+                flat.to(torch.float16), threshold
+            )
+
+        def compute(rows, chunk):
+            start, end = rows
+            codes, scales = unpack8(chunk[0], in_features)
+            piece_bias = None if bias is None else bias[start:end]
+            if dequantizing:
+                result = torch.nn.functional.linear(flat, _dequantized(codes, scales, x.dtype), piece_bias)
+            elif threshold > 0.0:
+                result = torch.ops.bitsandbytes.int8_mixed_scaled_mm.default(
+                    flat, codes_x, codes, scales_x, scales, outliers, piece_bias
+                )[0]
+            else:
+                result = torch.ops.bitsandbytes.int8_scaled_mm.default(
+                    codes_x, codes, scales_x, scales, bias=piece_bias, dtype=x.dtype
+                )
+            out[..., start:end] = result.view(*x.shape[:-1], end - start)
+
+        ring.forward_walk([piece], layout, compute)
+        ctx.save_for_backward(piece)
+        ctx.ring, ctx.layout, ctx.module = ring, layout, module
+        ctx.dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (piece,) = ctx.saved_tensors
+        ring, layout, module = ctx.ring, ctx.layout, ctx.module
+        grad_bias = None
+        if ctx.needs_input_grad[2]:  # bitsandbytes' MatMul8bit: the sum over tokens, in the bias's dtype
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, None, grad_bias, None, None, None
+        grad_x = grad_out.new_zeros(*grad_out.shape[:-1], module.in_features, dtype=ctx.dtype)
+
+        def input_grad(rows, chunk):
+            start, end = rows
+            codes, scales = unpack8(chunk[0], module.in_features)
+            weight = _dequantized(codes, scales, ctx.dtype)
+            grad_x.add_(torch.matmul(grad_out[..., start:end].to(ctx.dtype), weight))
+
+        ring.backward_walk([piece], layout, None, input_grad)
+        return grad_x, None, grad_bias, None, None, None
+
+
+class RotatedLinear8bit(RotatedLinear):
+    """A frozen 8-bit nn.Linear rotated as rows of int8 codes and their scales (see the module's docstring).
+
+    `weight` is this layer's pieces as a uint8 Shard(0) DTensor [out_features, in_features + 4], not
+    bitsandbytes' Int8Params: it never trains, and hf_rtp does not save it (save the adapter). `bias` is
+    whole, as vanilla's.
+    """
+
+    def __init__(self, source: RotatedLinear, *, spec: Quant8bit):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = source.weight
+        self.bias = source.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)  # transformers freezes the whole Linear8bitLt
+        self.ring, self.spec, self.threshold = source.ring, spec, spec.threshold
+        self.layout = ChunkLayout((self.weight.shape,), self.ring.size)
+        self.bias_after_matmul = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bitsandbytes' Linear8bitLt: the bias in the input's dtype, the output in the input's dtype
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _Rotated8bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, threshold={self.threshold}"
