@@ -126,9 +126,17 @@ def from_pretrained(
         pretrained_model_name_or_path, options.subfolder, revision, token, cache_dir, local_files_only, topology.control
     )
     config = _config(directory, options)
-    _refuse_quantized(config)
-    if options.quantization_config is not None:
-        config.quantization_config = options.quantization_config  # as vanilla records it; in the fingerprint
+    stored_quantization = bitsandbytes.stored_config(config)  # saved quantized by bitsandbytes: read as stored
+    if stored_quantization is None:
+        _refuse_quantized(config)
+    elif options.quantization_config is not None:
+        log.warning(  # vanilla's merge_quantization_configs: the checkpoint's own config wins
+            "this checkpoint is already quantized by bitsandbytes: its own quantization_config is used, the one "
+            "passed to from_pretrained is ignored (as transformers does)"
+        )
+    quantization = stored_quantization or options.quantization_config
+    if quantization is not None:
+        config.quantization_config = quantization  # as vanilla records it; in the fingerprint
     auto_class = model_class(auto_class, config)  # before any read: a wrong head fails naming the right one
     plan = plans.get(config.model_type) if plan is None else plan  # an unknown architecture fails here, early
     plan = _named_plan(plan)
@@ -158,8 +166,10 @@ def from_pretrained(
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
     quantized = {}
-    if options.quantization_config is not None:
-        quantized = bitsandbytes.select(model, resolution, options.quantization_config, dtype, topology.rtp_size)
+    if quantization is not None:
+        quantized = bitsandbytes.select(model, resolution, quantization, dtype, topology.rtp_size)
+    if stored_quantization is not None:
+        quantized = bitsandbytes.stored_specs(quantized, quantization, entries)
 
     with agreed(topology.control, CheckpointError):
         wants, sources = wants_for(model, resolution, topology, entries)
@@ -167,11 +177,12 @@ def from_pretrained(
     fresh = fresh_head(model, lacking, resolution.rotated_params)
     for name in fresh:
         del wants[name], sources[name]
-    tensors = read_proven(
-        entries, wants, dtype, topology, settings.verify_weights, transforms=bitsandbytes.quantizers(quantized)
-    )
+    if stored_quantization is not None:
+        bitsandbytes.read_stored(quantized, model, wants, entries)
+    transforms = bitsandbytes.quantizers(quantized) if stored_quantization is None else None
+    tensors = read_proven(entries, wants, dtype, topology, settings.verify_weights, transforms=transforms)
     if quantized:
-        bitsandbytes.finish(model, quantized, tensors, options.quantization_config, topology)
+        bitsandbytes.finish(model, quantized, tensors, quantization, topology, stored=stored_quantization is not None)
     used = {name for want in wants.values() for name in want.source.names}
     unexpected = sorted(set(entries) - used - set(tie_targets(model)))
     if unexpected:
@@ -182,7 +193,7 @@ def from_pretrained(
         bitsandbytes.step_on_rows()  # its optimizers' state of rotated rows
         torchao.refuse_low_bit_optimizers()
     if quantized:
-        bitsandbytes.swap_modules(model, quantized, options.quantization_config)
+        bitsandbytes.swap_modules(model, quantized, quantization)
     if fresh:
         initialise_head(model, fresh, dtype, topology.device, topology.control)
     if model.can_generate():
@@ -250,8 +261,8 @@ def _refuse_quantized(config) -> None:
     """A checkpoint saved quantized (a `quantization_config` in its config.json: GPTQ, AWQ, FP8, bitsandbytes,
     ...) holds packed integers or scaled floats that mean nothing without the method's scales and kernels.
     Read as plain weights they would load without an error (an FP8 checkpoint did, its scales ignored): a
-    silently different model. hf_rtp quantizes at load (quantization_config) but reads no quantized checkpoint
-    yet, so it refuses them by name."""
+    silently different model. hf_rtp reads bitsandbytes' own 4-bit and 8-bit checkpoints as stored
+    (integrations/bitsandbytes.py) and refuses every other method by name."""
     quantization = getattr(config, "quantization_config", None)
     if quantization is None:
         return
@@ -262,9 +273,10 @@ def _refuse_quantized(config) -> None:
     )
     raise CheckpointError(
         f"this checkpoint is quantized (its config has a quantization_config, quant_method={str(method)!r}): its "
-        "weights need that method's scales and kernels, and hf_rtp does not read a quantized checkpoint yet, so it "
-        "will not read them as plain weights. Load an unquantized (bfloat16 or float32) checkpoint of the model, "
-        "with quantization_config=BitsAndBytesConfig(load_in_4bit=True) (or load_in_8bit=True) for a quantized base"
+        "weights need that method's scales and kernels, and hf_rtp reads only bitsandbytes' own 4-bit and 8-bit "
+        "checkpoints, so it will not read them as plain weights. Load an unquantized (bfloat16 or float32) "
+        "checkpoint of the model, with quantization_config=BitsAndBytesConfig(load_in_4bit=True) (or "
+        "load_in_8bit=True) for a quantized base"
     )
 
 

@@ -13,22 +13,30 @@ import torch
 from support.compare import trainable_grad_gaps
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
-from test_qlora import WIDE, _adapters
+from test_qlora import WIDE, _adapters, saved_quantized
 
 pytest.importorskip("bitsandbytes")
 
 
-def _compare(ckpt, threshold):
+def _config(threshold):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
+
+
+def _compare(ckpt, threshold, saved=False):
+    """hf_rtp beside vanilla, both quantizing `ckpt` at load, or (`saved`) both reading the checkpoint vanilla
+    saved in 8 bits."""
     from torch.nn.parallel import DistributedDataParallel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     import hf_rtp
     from hf_rtp.layers.linear8bit import unpack8
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config)
-    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config)
+    options = {} if saved else {"quantization_config": _config(threshold)}
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, **options)
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, **options)
     assert model.is_loaded_in_8bit and not getattr(model, "is_loaded_in_4bit", False)
 
     stored = {}
@@ -73,5 +81,15 @@ def test_an_8bit_base_rotates_with_vanillas_bytes_logits_and_lora_gradients(tmp_
         assert logits < 1e-5, (rank, logits)
         assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
         assert sum("lora_A" in n for n in grads) == 6 and sum("lora_B" in n for n in grads) == 6
+        for name, (difference, scale) in grads.items():
+            assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+
+
+def test_a_checkpoint_vanilla_saved_in_8bit_loads_as_each_ranks_rows(tmp_path):
+    saved = saved_quantized(make_tiny("llama", tmp_path / "ckpt", **WIDE), tmp_path / "saved", _config(1.0))
+    for rank, (stored, logits, losses, grads) in enumerate(run_on_ranks(_compare, 3, saved, 1.0, True)):
+        assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)
+        assert logits < 1e-5, (rank, logits)
+        assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
         for name, (difference, scale) in grads.items():
             assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)

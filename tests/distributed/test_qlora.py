@@ -57,16 +57,18 @@ def _vanilla_rows(vanilla, name, rank, world):
     return packed, absmax.view(out, -1)[start:end]
 
 
-def _compare(ckpt, quant_type, double, dtype=torch.float32):
+def _compare(ckpt, quant_type, double, dtype=torch.float32, saved=False):
+    """hf_rtp beside vanilla, both quantizing `ckpt` at load, or (`saved`) both reading a checkpoint vanilla saved
+    quantized with that config."""
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config = _bnb(quant_type, double, dtype)
-    model = hf_rtp.from_pretrained(ckpt, dtype=dtype, quantization_config=config)
-    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, quantization_config=config)
+    options = {} if saved else {"quantization_config": _bnb(quant_type, double, dtype)}
+    model = hf_rtp.from_pretrained(ckpt, dtype=dtype, **options)
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **options)
 
     stored = {}
     for name, module in vanilla.named_modules():
@@ -104,6 +106,30 @@ def test_a_4bit_base_rotates_with_vanillas_bytes_logits_and_lora_gradients(tmp_p
         assert logits < 1e-5, (rank, logits)
         assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
         assert sum("lora_A" in n for n in grads) == 6 and sum("lora_B" in n for n in grads) == 6
+        for name, (difference, scale) in grads.items():
+            assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+
+
+def saved_quantized(ckpt, out, config):
+    """`ckpt` as vanilla transformers saves it after quantizing it at load (a pre-quantized checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config).save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize(("quant_type", "double", "world"), [("nf4", True, 3), ("fp4", False, 2)])
+def test_a_checkpoint_vanilla_saved_in_4bit_loads_as_each_ranks_rows(tmp_path, quant_type, double, world):
+    # 1024 rows of 64: 1024 absmax values per MLP weight, four of double quantization's 256-blocks, which the
+    # ranks' rows cut mid-block at 3 ranks (342 rows each)
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **{**WIDE, "intermediate_size": 1024})
+    saved = saved_quantized(ckpt, tmp_path / "saved", _bnb(quant_type, double))
+    for rank, (stored, logits, losses, grads, _) in enumerate(
+        run_on_ranks(_compare, world, saved, quant_type, double, torch.float32, True)
+    ):
+        assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)
+        assert logits < 1e-5, (rank, logits)
+        assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
         for name, (difference, scale) in grads.items():
             assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
 
@@ -281,3 +307,24 @@ def test_the_ring_carries_packed_rows_and_scales_not_weights(tmp_path):
     sent = run_on_ranks(_ring_bytes, 2, make_tiny("llama", tmp_path / "ckpt", **WIDE))[0]
     # per row of 128 inputs: 64 packed bytes and 2 float32 scales against 256 bf16 bytes, forward and backward
     assert sent["bf16"] > 0 and sent["nf4"] / sent["bf16"] == (64 + 8) / 256
+
+
+def _claims_4bit(ckpt):
+    import hf_rtp
+
+    with pytest.raises(hf_rtp.CheckpointError) as refused:
+        hf_rtp.from_pretrained(ckpt)
+    return str(refused.value)
+
+
+def test_a_config_that_claims_4bit_over_plain_weights_is_refused_not_read_as_floats(tmp_path):
+    import json
+
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = _bnb("nf4").to_dict()
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(config, f)
+    for message in run_on_ranks(_claims_4bit, 2, ckpt):
+        assert "quantized modules are not the ones" in message and "chosen but stored unquantized" in message
