@@ -309,9 +309,17 @@ def main(argv=None) -> dict[str, float]:
         help="as transformers' attn_implementation (default: the config's, "
         "else sdpa); eager keeps [seq, seq] attention scores for backward, the fused kernels do not",
     )
+    p.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="QLoRA: a frozen NF4 base (double quantization), LoRA on every linear layer, AdamW on the adapters",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA's r, with --load-in-4bit")
     args = p.parse_args(argv)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
+    if args.load_in_4bit:
+        return _qlora(args)
     if args.rtp_size is not None and (args.rtp_size < 1 or args.world_size % args.rtp_size):
         raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
     config = load_config(args.model)
@@ -342,4 +350,33 @@ def main(argv=None) -> dict[str, float]:
             "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)",
         }.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
+    return result
+
+
+def _qlora(args) -> dict[str, float]:
+    from .memory_qlora import estimate_qlora
+
+    if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:
+        raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
+    if args.lora_rank < 1:
+        raise SystemExit("--lora-rank must be at least 1")
+    config = load_config(args.model)
+    if args.attn_implementation:
+        set_attention_implementation(config, args.attn_implementation)
+    result = estimate_qlora(
+        config,
+        args.world_size,
+        batch=args.batch,
+        seq=args.seq,
+        lora_rank=args.lora_rank,
+        gradient_checkpointing=args.gradient_checkpointing,
+        dtype=args.dtype,
+    )
+    print(
+        f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW); "
+        f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
+    )
+    notes = {"fsdp2": "   (FSDP-QLoRA: packed bytes sharded, quantization state whole)", "rtp": "   (fused loss)"}
+    for strategy, value in result.items():
+        print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + notes.get(strategy, ""))
     return result

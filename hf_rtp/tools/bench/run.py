@@ -18,9 +18,10 @@ import os
 import tempfile
 
 from .. import memory
+from ..memory_qlora import estimate_qlora
 from .presets import PRESETS, make_preset
 from .processes import peak_between, preloaded_ranks, run_ranks
-from .worker import STRATEGIES, VARIANTS
+from .worker import LORA_RANK, STRATEGIES, VARIANTS
 
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
@@ -321,19 +322,28 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
             failed.append({"strategy": strategy, "world_size": n, "error": str(err)[-4000:]})
             continue
         grid = strategy == "rtp-2d"
-        estimates = memory.estimate(
-            config,
-            n,
-            batch=args.batch,
-            seq=args.seq,
-            dtype=args.dtype,
-            gradient_checkpointing=args.gradient_checkpointing,
-            autocast=args.autocast,
-            rtp_size=args.rtp_size if grid else None,
-        )
-        # the estimate models full fine-tuning, not a frozen 4-bit base
-        estimate = estimates.get("rtp" if grid else strategy, float("nan"))
-        row["estimate_gb"] = float("nan") if args.load_in_4bit else estimate / 1e9
+        if args.load_in_4bit:  # the worker's QLoRA: NF4 with double quantization, LoRA r=16 on every linear
+            estimates = estimate_qlora(
+                config,
+                n,
+                batch=args.batch,
+                seq=args.seq,
+                lora_rank=LORA_RANK,
+                gradient_checkpointing=args.gradient_checkpointing,
+                dtype=args.dtype,
+            )
+        else:
+            estimates = memory.estimate(
+                config,
+                n,
+                batch=args.batch,
+                seq=args.seq,
+                dtype=args.dtype,
+                gradient_checkpointing=args.gradient_checkpointing,
+                autocast=args.autocast,
+                rtp_size=args.rtp_size if grid else None,
+            )
+        row["estimate_gb"] = estimates.get("rtp" if grid else strategy, float("nan")) / 1e9
         if grid:
             row["rtp_size"] = args.rtp_size
         rows.append(row)
