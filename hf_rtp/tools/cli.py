@@ -23,7 +23,7 @@ def main(argv=None) -> None:
 
         bench(rest)
     elif command == "estimate":
-        from .memory import main as estimate
+        from .memory_qlora import main as estimate
 
         estimate(rest)
     else:

@@ -283,7 +283,8 @@ def _activations(model: Any, batch: int, seq: int, labels: bool, gradient_checkp
     return outside + inputs + (full - outside) / layers
 
 
-def main(argv=None) -> dict[str, float]:
+def parser() -> argparse.ArgumentParser:
+    """`hf-rtp estimate`'s arguments (memory_qlora.main runs it: full fine-tuning here, QLoRA there)."""
     p = argparse.ArgumentParser(
         prog="hf-rtp estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -315,11 +316,16 @@ def main(argv=None) -> dict[str, float]:
         help="QLoRA: a frozen NF4 base (double quantization), LoRA on every linear layer, AdamW on the adapters",
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA's r, with --load-in-4bit")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict[str, float]:
+    """Full fine-tuning's estimate; `hf-rtp estimate` (memory_qlora.main) also takes --load-in-4bit."""
+    args = parser().parse_args(argv)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
     if args.load_in_4bit:
-        return _qlora(args)
+        raise SystemExit("--load-in-4bit: call hf_rtp.tools.memory_qlora.main (or hf-rtp estimate)")
     if args.rtp_size is not None and (args.rtp_size < 1 or args.world_size % args.rtp_size):
         raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
     config = load_config(args.model)
@@ -350,33 +356,4 @@ def main(argv=None) -> dict[str, float]:
             "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)",
         }.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
-    return result
-
-
-def _qlora(args) -> dict[str, float]:
-    from .memory_qlora import estimate_qlora
-
-    if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:
-        raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
-    if args.lora_rank < 1:
-        raise SystemExit("--lora-rank must be at least 1")
-    config = load_config(args.model)
-    if args.attn_implementation:
-        set_attention_implementation(config, args.attn_implementation)
-    result = estimate_qlora(
-        config,
-        args.world_size,
-        batch=args.batch,
-        seq=args.seq,
-        lora_rank=args.lora_rank,
-        gradient_checkpointing=args.gradient_checkpointing,
-        dtype=args.dtype,
-    )
-    print(
-        f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW); "
-        f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
-    )
-    notes = {"fsdp2": "   (FSDP-QLoRA: packed bytes sharded, quantization state whole)", "rtp": "   (fused loss)"}
-    for strategy, value in result.items():
-        print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + notes.get(strategy, ""))
     return result

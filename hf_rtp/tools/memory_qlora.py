@@ -153,5 +153,38 @@ def table(world_sizes=(2, 4, 8)) -> str:
     return "\n".join(rows)
 
 
+def main(argv=None) -> dict[str, float]:
+    """`hf-rtp estimate`: with --load-in-4bit QLoRA's estimate, else full fine-tuning's (memory.main)."""
+    args = memory.parser().parse_args(argv)
+    if not args.load_in_4bit:
+        return memory.main(argv)
+    if args.world_size < 1:
+        raise SystemExit("--world-size must be at least 1")
+    if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:
+        raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
+    if args.lora_rank < 1:
+        raise SystemExit("--lora-rank must be at least 1")
+    config = memory.load_config(args.model)
+    if args.attn_implementation:
+        memory.set_attention_implementation(config, args.attn_implementation)
+    result = estimate_qlora(
+        config,
+        args.world_size,
+        batch=args.batch,
+        seq=args.seq,
+        lora_rank=args.lora_rank,
+        gradient_checkpointing=args.gradient_checkpointing,
+        dtype=args.dtype,
+    )
+    print(
+        f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW); "
+        f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
+    )
+    notes = {"fsdp2": "   (FSDP-QLoRA: packed bytes sharded, quantization state whole)", "rtp": "   (fused loss)"}
+    for strategy, value in result.items():
+        print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + notes.get(strategy, ""))
+    return result
+
+
 if __name__ == "__main__":
     print(table())

@@ -215,7 +215,10 @@ def test_the_qlora_estimate_shards_what_each_strategy_shards(config_only, capsys
         plain, double = estimate_qlora(config, n, double_quant=False), estimate_qlora(config, n)
         assert plain["fsdp2"] - double["fsdp2"] > 0 and plain["rtp"] == double["rtp"], n
     assert estimate_qlora(config, 2, lora_rank=64)["rtp"] > two["rtp"]  # bigger adapters, replicated
-    printed = memory.main([str(config_only), "--world-size", "2", "--load-in-4bit"])
+    from hf_rtp.tools.memory_qlora import main
+
+    printed = main([str(config_only), "--world-size", "2", "--load-in-4bit"])
     assert printed == two and "QLoRA (NF4 base, LoRA r=16" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--load-in-4bit estimates one flat ring"):
-        memory.main([str(config_only), "--world-size", "4", "--rtp-size", "2", "--load-in-4bit"])
+        main([str(config_only), "--world-size", "4", "--rtp-size", "2", "--load-in-4bit"])
+    assert main([str(config_only), "--world-size", "2"]) == memory.main([str(config_only), "--world-size", "2"])
