@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from . import faults, keywords, log, plans
+from .checkpoint import quantized as quantized_checkpoint
 from .checkpoint.files import find_weights, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import untie_stored_apart, wants_for
@@ -169,7 +170,7 @@ def from_pretrained(
     if quantization is not None:
         quantized = bitsandbytes.select(model, resolution, quantization, dtype, topology.rtp_size)
     if stored_quantization is not None:
-        quantized = bitsandbytes.stored_specs(quantized, quantization, entries)
+        quantized = quantized_checkpoint.stored_specs(quantized, quantization, entries)
 
     with agreed(topology.control, CheckpointError):
         wants, sources = wants_for(model, resolution, topology, entries)
@@ -178,7 +179,7 @@ def from_pretrained(
     for name in fresh:
         del wants[name], sources[name]
     if stored_quantization is not None:
-        bitsandbytes.read_stored(quantized, model, wants, entries)
+        quantized_checkpoint.read_stored(quantized, model, wants, entries)
     transforms = bitsandbytes.quantizers(quantized) if stored_quantization is None else None
     tensors = read_proven(entries, wants, dtype, topology, settings.verify_weights, transforms=transforms)
     if quantized:

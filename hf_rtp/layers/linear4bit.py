@@ -33,6 +33,7 @@ from .common import local
 from .linear import RotatedLinear
 
 ABSMAX_BYTES = 4  # float32
+BLOCKSIZE = 64  # bitsandbytes' Params4bit default, which transformers' Linear4bit uses
 
 
 @dataclass(frozen=True)
