@@ -317,3 +317,39 @@ def test_torchaos_low_bit_optimizers_are_refused_by_name_before_any_state(tmp_pa
     for message, states in run_on_ranks(_torchao, 2, make_tiny("llama", tmp_path / "ckpt", **WIDE)):
         assert "torchao's AdamW8bit over a rotated model" in message and "optim='adamw_bnb_8bit'" in message, message
         assert states == 0
+
+
+def _bf16_steps(ckpt):
+    """Three AdamW8bit steps on bf16 weights from the same global gradients, against one vanilla model stepped
+    whole in this process: this rank's rows equal it bit for bit."""
+    import bitsandbytes as bnb
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.bfloat16).train()
+    whole = dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).named_parameters())
+    ours = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2)
+    theirs = bnb.optim.AdamW8bit(whole.values(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for _ in range(3):
+        _synthetic_step(model, ours)
+        for index, p in enumerate(whole.values()):  # the same seeded gradients, whole
+            p.grad = (torch.randn(p.shape, generator=torch.Generator().manual_seed(index)) * 1e-2).to(p.dtype)
+        theirs.step()
+    unequal = []
+    for name, p in model.named_parameters():
+        mine = p.to_local() if isinstance(p, DTensor) else p.detach()
+        want = whole[name].detach()
+        want = want[rows(p, p.device_mesh.size(), p.device_mesh.get_local_rank())] if isinstance(p, DTensor) else want
+        if not torch.equal(mine, want):
+            unequal.append(name)
+    return unequal, ours.state[model.model.layers[0].mlp.up_proj.weight]["state1"].dtype
+
+
+def test_8bit_adamw_on_bf16_rotated_rows_equals_a_whole_vanilla_step(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **ALIGNED)
+    for unequal, kind in run_on_ranks(_bf16_steps, 3, ckpt):
+        assert unequal == [] and kind == torch.uint8, unequal
