@@ -26,6 +26,8 @@ _FIRST = (
     "tests/distributed/test_bad_input.py",
     "tests/faults/test_resume_faults.py",
     "tests/distributed/test_qlora.py",
+    "tests/distributed/test_8bit_optimizer.py",
+    "tests/distributed/test_int8.py",
     "tests/distributed/test_two_dimensional.py",
     "tests/distributed/test_two_launchers.py",
     "tests/distributed/test_equivalence.py",

@@ -92,7 +92,9 @@ def _steps(ckpt, optimizer_name, steps=3):
     return unequal, kinds, sorted(fallback), warned
 
 
-@pytest.mark.parametrize(("world", "optimizer"), [(2, "AdamW8bit"), (3, "AdamW8bit"), (2, "Lion8bit")])
+# AdamW8bit at 3 ranks (uneven rows, most of them unaligned); Lion8bit (one moment) at 2, where q_proj's rows hold
+# 2048 of its 4096 elements
+@pytest.mark.parametrize(("world", "optimizer"), [(3, "AdamW8bit"), (2, "Lion8bit")])
 def test_8bit_optimizers_on_rotated_rows_step_bit_equal_to_vanilla_ddp(tmp_path, world, optimizer):
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
     for rank, (unequal, kinds, fallback, warned) in enumerate(run_on_ranks(_steps, world, ckpt, optimizer)):
@@ -188,13 +190,13 @@ def _differences(ours, theirs):
     return sorted(k for k in ours if not numpy.array_equal(ours[k], theirs[k]))
 
 
-@pytest.mark.parametrize("resume_world", [2, 3])
-def test_8bit_state_saves_and_resumes_exactly_also_at_another_world_size(tmp_path, resume_world):
+def test_8bit_state_saves_and_resumes_exactly_at_another_world_size(tmp_path):
+    """Saved by 2 ranks, resumed by 3 (at the same world size, the Trainer test below resumes exactly)."""
     ckpt, out = make_tiny("llama", tmp_path / "ckpt", **ALIGNED), str(tmp_path / "state")
     saved, stepped = run_on_ranks(_save, 2, ckpt, out)[0]
     assert saved["model.layers.0.mlp.up_proj.weight.state1"].dtype == numpy.uint8
     assert saved["model.layers.0.mlp.up_proj.weight.step"] == 2
-    for loaded, resumed in run_on_ranks(_resume, resume_world, ckpt, out):
+    for loaded, resumed in run_on_ranks(_resume, 3, ckpt, out):
         assert _differences(loaded, saved) == []
         assert _differences(resumed, stepped) == []
 
