@@ -99,26 +99,36 @@ class _Rotated4bitFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (piece,) = ctx.saved_tensors
-        ring, layout, module = ctx.ring, ctx.layout, ctx.module
-        grad_bias = None
-        if ctx.needs_input_grad[2]:  # bitsandbytes' MatMul4Bit: the sum over tokens, in the bias's dtype
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
-        if not ctx.needs_input_grad[0]:
-            return None, None, grad_bias, None, None, None
-        grad_x = grad_out.new_zeros(*grad_out.shape[:-1], module.in_features)
+        module = ctx.module
 
-        def input_grad(rows, chunk):
-            start, end = rows
-            packed, absmax = module.unpack(chunk[0])
-            weight = torch.ops.bitsandbytes.dequantize_4bit.default(
-                packed, absmax, module.spec.blocksize, module.spec.quant_type, (end - start, module.in_features),
+        def dequantized(rows, piece):
+            packed, absmax = module.unpack(piece)
+            return torch.ops.bitsandbytes.dequantize_4bit.default(
+                packed, absmax, module.spec.blocksize, module.spec.quant_type, (rows[1] - rows[0], module.in_features),
                 module.spec.dtype,
             )  # fmt: skip
-            grad_x.add_(torch.matmul(grad_out[..., start:end], weight.to(grad_out.dtype)))
 
-        ring.backward_walk([piece], layout, None, input_grad)
-        return grad_x, None, grad_bias, None, None, None
+        return frozen_backward(ctx, grad_out, dequantized, grad_out.dtype)
+
+
+def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
+    """The backward of a frozen quantized linear on the ring (bitsandbytes' MatMul4Bit and MatMul8bit{Fp,Lt}): the
+    bias's gradient, the sum over tokens in its dtype; the input's, `grad @ dequantized(rows, piece)` over the
+    walk, in `dtype`. No weight gradient exists or travels."""
+    (piece,) = ctx.saved_tensors
+    grad_bias = None
+    if ctx.needs_input_grad[2]:
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+    if not ctx.needs_input_grad[0]:
+        return None, None, grad_bias, None, None, None
+    grad_x = grad_out.new_zeros(*grad_out.shape[:-1], ctx.module.in_features, dtype=dtype)
+
+    def input_grad(rows, chunk):
+        weight = dequantized(rows, chunk[0]).to(dtype)
+        grad_x.add_(torch.matmul(grad_out[..., rows[0] : rows[1]].to(dtype), weight))
+
+    ctx.ring.backward_walk([piece], ctx.layout, None, input_grad)
+    return grad_x, None, grad_bias, None, None, None
 
 
 class RotatedLinear4bit(RotatedLinear):

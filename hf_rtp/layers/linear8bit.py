@@ -9,8 +9,8 @@ The math is bitsandbytes' own, per piece, in the regime vanilla's Linear8bitLt p
 - otherwise (`MatMul8bitLt`): the input quantized to int8 per token once, with `llm_int8_threshold`'s outlier
   columns kept in 16 bits, then `int8_mixed_scaled_mm` (or `int8_scaled_mm` without a threshold) per piece.
   Each output column depends only on its weight row and the whole input, so the pieces give vanilla's columns.
-Backward computes only the input gradient, `grad @ dequantized piece`, as both of bitsandbytes' Functions do.
-No weight gradient exists or travels.
+Backward computes only the input gradient, `grad @ dequantized piece`, as both of bitsandbytes' Functions do
+(linear4bit.frozen_backward). No weight gradient exists or travels.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
 from .common import local
 from .linear import RotatedLinear
+from .linear4bit import frozen_backward
 
 SCALE_BYTES = 4  # float32, one per row
 
@@ -90,23 +91,12 @@ class _Rotated8bitFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (piece,) = ctx.saved_tensors
-        ring, layout, module = ctx.ring, ctx.layout, ctx.module
-        grad_bias = None
-        if ctx.needs_input_grad[2]:  # bitsandbytes' MatMul8bit: the sum over tokens, in the bias's dtype
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
-        if not ctx.needs_input_grad[0]:
-            return None, None, grad_bias, None, None, None
-        grad_x = grad_out.new_zeros(*grad_out.shape[:-1], module.in_features, dtype=ctx.dtype)
+        module = ctx.module
 
-        def input_grad(rows, chunk):
-            start, end = rows
-            codes, scales = unpack8(chunk[0], module.in_features)
-            weight = _dequantized(codes, scales, ctx.dtype)
-            grad_x.add_(torch.matmul(grad_out[..., start:end].to(ctx.dtype), weight))
+        def dequantized(rows, piece):
+            return _dequantized(*unpack8(piece, module.in_features), ctx.dtype)
 
-        ring.backward_walk([piece], layout, None, input_grad)
-        return grad_x, None, grad_bias, None, None, None
+        return frozen_backward(ctx, grad_out, dequantized, ctx.dtype)
 
 
 class RotatedLinear8bit(RotatedLinear):

@@ -60,7 +60,6 @@ def _vanilla_rows(vanilla, name, rank, world):
 def _compare(ckpt, quant_type, double, dtype=torch.float32, saved=False):
     """hf_rtp beside vanilla, both quantizing `ckpt` at load, or (`saved`) both reading a checkpoint vanilla saved
     quantized with that config."""
-    from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
@@ -80,20 +79,30 @@ def _compare(ckpt, quant_type, double, dtype=torch.float32, saved=False):
                 torch.equal(packed.view(theirs[0].shape), theirs[0]),
                 torch.equal(absmax.view(theirs[1].shape), theirs[1]),
             )
+    model, logits, losses, grads = beside_vanilla(model, vanilla)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return stored, logits, losses, grads, dtypes
+
+
+def beside_vanilla(model, vanilla):
+    """Eval logits of both on this rank's batch, then LoRA on both (vanilla under DDP), one backward each: the
+    adapted model, the largest logit gap, both losses and every trainable gradient's gap."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world, seq=12)[rank]
     with torch.no_grad():
         logits = [m(input_ids=batch).logits for m in (model, vanilla)]
     model, vanilla = _adapters(model).train(), _adapters(vanilla).train()
-    ddp = DistributedDataParallel(vanilla)
     losses = []
-    for m in (model, ddp):
+    for m in (model, DistributedDataParallel(vanilla)):
         loss = m(input_ids=batch, labels=batch).loss
         loss.backward()
         losses.append(loss.item())
     hf_rtp.sync_grads(model)
-    grads = trainable_grad_gaps(model, vanilla)
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    return stored, (logits[0] - logits[1]).abs().max().item(), losses, grads, dtypes
+    return model, (logits[0] - logits[1]).abs().max().item(), losses, trainable_grad_gaps(model, vanilla)
 
 
 @pytest.mark.parametrize(
