@@ -348,7 +348,8 @@ def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd:
             + (f"it lacks {_listing(missing)}" if missing else f"it holds {_listing(unknown)}")
             + ". hf_rtp keeps a parameter's 8-bit state only where every rank's rows start on one of bitsandbytes' "
             "256-element blocks, float32 state elsewhere, and that depends on the world size: resume at the world "
-            f"size it was saved at ({state.get('world_size')}), or at one where the same parameters align"
+            f"size it was saved at ({state.get('world_size')}), or at one where the same parameters align (or it was "
+            "saved with another optimizer class or optim_bits: resume with the one it was saved with)"
         )
     if missing or unknown:
         raise CheckpointError(
