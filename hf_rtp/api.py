@@ -169,17 +169,18 @@ def from_pretrained(
     quantized = {}
     if quantization is not None:
         quantized = bitsandbytes.select(model, resolution, quantization, dtype, topology.rtp_size)
-    if stored_quantization is not None:
-        quantized = quantized_checkpoint.stored_specs(quantized, quantization, entries)
 
-    with agreed(topology.control, CheckpointError):
+    with agreed(topology.control, CheckpointError):  # file reads: one rank's failure is every rank's error
+        if stored_quantization is not None:
+            quantized = quantized_checkpoint.stored_specs(quantized, quantization, entries)
         wants, sources = wants_for(model, resolution, topology, entries)
     lacking = sorted(n for n, want in wants.items() if any(name not in entries for name in want.source.names))
     fresh = fresh_head(model, lacking, resolution.rotated_params)
     for name in fresh:
         del wants[name], sources[name]
     if stored_quantization is not None:
-        quantized_checkpoint.read_stored(quantized, model, wants, entries)
+        with agreed(topology.control, CheckpointError):
+            quantized_checkpoint.read_stored(quantized, model, wants, entries)
     transforms = bitsandbytes.quantizers(quantized) if stored_quantization is None else None
     tensors = read_proven(entries, wants, dtype, topology, settings.verify_weights, transforms=transforms)
     if quantized:

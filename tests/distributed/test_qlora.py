@@ -6,6 +6,7 @@ quantization included: its offset is the whole tensor's mean), and the logits, t
 gradient vanilla's up to summation order, at 2 ranks and at 3 (uneven rows)."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -337,3 +338,27 @@ def test_a_config_that_claims_4bit_over_plain_weights_is_refused_not_read_as_flo
         json.dump(config, f)
     for message in run_on_ranks(_claims_4bit, 2, ckpt):
         assert "quantized modules are not the ones" in message and "chosen but stored unquantized" in message
+
+
+def _one_rank_damaged(good, damaged):
+    return _claims_4bit(damaged if os.environ["RANK"] == "0" else good)
+
+
+def test_a_damaged_quant_state_in_a_saved_4bit_checkpoint_fails_on_every_rank_by_name(tmp_path):
+    """Rank 0 reads a copy whose quant_state is damaged (same length), rank 1 an intact one, as on two nodes:
+    rank 0 names the damage and rank 1 fails with it at once, instead of waiting in the read's collectives."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    good = saved_quantized(make_tiny("llama", tmp_path / "ckpt", **WIDE), tmp_path / "saved", _bnb("nf4"))
+    saved = shutil.copytree(good, tmp_path / "damaged")
+    path = os.path.join(saved, "model.safetensors")
+    tensors = load_file(path)
+    key = "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"
+    tensors[key] = torch.full_like(tensors[key], ord("x"))  # same bytes long, not JSON
+    save_file(tensors, path, metadata={"format": "pt"})
+    started = time.monotonic()
+    for message in run_on_ranks(_one_rank_damaged, 2, good, str(saved)):
+        assert f"{key} in {path} is not bitsandbytes' quant state JSON" in message, message
+    assert time.monotonic() - started < 50  # not the ranks' 60 s timeout
