@@ -57,8 +57,7 @@ from ..distributed.rotated import RotatedTensor, rows_of, whole
 from ..errors import RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local
-from ..layers.linear4bit import RotatedLinear4bit
-from ..layers.linear8bit import RotatedLinear8bit
+from ..layers.linear4bit import FrozenQuantizedLinear
 
 TESTED = ((0, 15), (0, 22))  # from, up to (excluded): PEFT versions whose _get_in_out_features this stands in for
 _MARK = "hf_rtp_stands_in_for"
@@ -283,7 +282,7 @@ def _refuse_merges_peft_gets_wrong() -> None:
 
     @functools.wraps(lora_merge)
     def merge(self, safe_merge=False, adapter_names=None):
-        if isinstance(self.get_base_layer(), (RotatedLinear4bit, RotatedLinear8bit)):
+        if isinstance(self.get_base_layer(), FrozenQuantizedLinear):
             raise RotatedStateError(
                 _MERGE_REFUSED.format(what="adapters on a 4-bit or 8-bit base (quantization_config)")
             )

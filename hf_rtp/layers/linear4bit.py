@@ -131,24 +131,28 @@ def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
     return grad_x, None, grad_bias, None, None, None
 
 
-class RotatedLinear4bit(RotatedLinear):
-    """A frozen 4-bit nn.Linear rotated as packed rows (see the module's docstring).
+class FrozenQuantizedLinear(RotatedLinear):
+    """A rotated linear whose weight is quantized bytes (4-bit here, 8-bit in linear8bit.py): `weight` is this
+    layer's pieces as a uint8 Shard(0) DTensor [out_features, bytes per row], not bitsandbytes' Params4bit or
+    Int8Params; it never trains, and hf_rtp does not save it (save the adapter). `bias` is whole, as vanilla's,
+    and frozen, as transformers freezes the whole quantized Linear."""
 
-    `weight` is this layer's pieces as a uint8 Shard(0) DTensor [out_features, bytes per row], not
-    bitsandbytes' Params4bit: it never trains, and hf_rtp does not save it (save the adapter). `bias` is
-    whole, as vanilla's.
-    """
-
-    def __init__(self, source: RotatedLinear, *, spec: Quant4bit):
+    def __init__(self, source: RotatedLinear, *, spec):
         nn.Module.__init__(self)
         self.in_features, self.out_features = source.in_features, source.out_features
         self.weight = source.weight
         self.bias = source.bias
         if self.bias is not None:
-            self.bias.requires_grad_(False)  # transformers freezes the whole Linear4bit
+            self.bias.requires_grad_(False)
         self.ring, self.spec = source.ring, spec
         self.layout = ChunkLayout((self.weight.shape,), self.ring.size)
         self.bias_after_matmul = False
+
+
+class RotatedLinear4bit(FrozenQuantizedLinear):
+    """A frozen 4-bit nn.Linear rotated as packed rows with their scales (see the module's docstring)."""
+
+    spec: Quant4bit
 
     def unpack(self, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.in_features // 2

@@ -18,13 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
 from .common import local
-from .linear import RotatedLinear
-from .linear4bit import frozen_backward
+from .linear4bit import FrozenQuantizedLinear, frozen_backward
 
 SCALE_BYTES = 4  # float32, one per row
 
@@ -99,24 +97,14 @@ class _Rotated8bitFn(torch.autograd.Function):
         return frozen_backward(ctx, grad_out, dequantized, ctx.dtype)
 
 
-class RotatedLinear8bit(RotatedLinear):
-    """A frozen 8-bit nn.Linear rotated as rows of int8 codes and their scales (see the module's docstring).
+class RotatedLinear8bit(FrozenQuantizedLinear):
+    """A frozen 8-bit nn.Linear rotated as rows of int8 codes and their scales (see the module's docstring)."""
 
-    `weight` is this layer's pieces as a uint8 Shard(0) DTensor [out_features, in_features + 4], not
-    bitsandbytes' Int8Params: it never trains, and hf_rtp does not save it (save the adapter). `bias` is
-    whole, as vanilla's.
-    """
+    spec: Quant8bit
 
-    def __init__(self, source: RotatedLinear, *, spec: Quant8bit):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = source.in_features, source.out_features
-        self.weight = source.weight
-        self.bias = source.bias
-        if self.bias is not None:
-            self.bias.requires_grad_(False)  # transformers freezes the whole Linear8bitLt
-        self.ring, self.spec, self.threshold = source.ring, spec, spec.threshold
-        self.layout = ChunkLayout((self.weight.shape,), self.ring.size)
-        self.bias_after_matmul = False
+    @property
+    def threshold(self) -> float:
+        return self.spec.threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bitsandbytes' Linear8bitLt: the bias in the input's dtype, the output in the input's dtype

@@ -106,18 +106,24 @@ def beside_vanilla(model, vanilla):
     return model, (logits[0] - logits[1]).abs().max().item(), losses, trainable_grad_gaps(model, vanilla)
 
 
+def assert_like_vanilla(rank, stored, logits, losses, grads):
+    """Every quantized weight's bytes vanilla's (7 per layer), logits and loss within float32 rounding, every LoRA
+    gradient (6 A and 6 B) up to summation order."""
+    assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)
+    assert logits < 1e-5, (rank, logits)
+    assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
+    assert sum("lora_A" in n for n in grads) == 6 and sum("lora_B" in n for n in grads) == 6
+    for name, (difference, scale) in grads.items():
+        assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+
+
 @pytest.mark.parametrize(
     ("quant_type", "double", "world"), [("nf4", False, 2), ("nf4", True, 3), ("fp4", True, 2), ("fp4", False, 3)]
 )
 def test_a_4bit_base_rotates_with_vanillas_bytes_logits_and_lora_gradients(tmp_path, quant_type, double, world):
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
     for rank, (stored, logits, losses, grads, _) in enumerate(run_on_ranks(_compare, world, ckpt, quant_type, double)):
-        assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)  # 7 per layer
-        assert logits < 1e-5, (rank, logits)
-        assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
-        assert sum("lora_A" in n for n in grads) == 6 and sum("lora_B" in n for n in grads) == 6
-        for name, (difference, scale) in grads.items():
-            assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+        assert_like_vanilla(rank, stored, logits, losses, grads)
 
 
 def saved_quantized(ckpt, out, config):
@@ -137,11 +143,7 @@ def test_a_checkpoint_vanilla_saved_in_4bit_loads_as_each_ranks_rows(tmp_path, q
     for rank, (stored, logits, losses, grads, _) in enumerate(
         run_on_ranks(_compare, world, saved, quant_type, double, torch.float32, True)
     ):
-        assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)
-        assert logits < 1e-5, (rank, logits)
-        assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
-        for name, (difference, scale) in grads.items():
-            assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+        assert_like_vanilla(rank, stored, logits, losses, grads)
 
 
 def test_a_bf16_base_as_qlora_usually_runs_it(tmp_path):
