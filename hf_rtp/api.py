@@ -193,7 +193,7 @@ def from_pretrained(
     install(model, resolution, tensors, topology)
     if topology.rtp_size > 1:
         bitsandbytes.step_on_rows()  # its optimizers' state of rotated rows
-        torchao.refuse_low_bit_optimizers()
+        torchao.step_on_rows()
     if quantized:
         bitsandbytes.swap_modules(model, quantized, quantization)
     if fresh:

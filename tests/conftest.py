@@ -28,6 +28,7 @@ _FIRST = (
     "tests/distributed/test_qlora.py",
     "tests/distributed/test_8bit_optimizer.py",
     "tests/distributed/test_int8.py",
+    "tests/distributed/test_torchao_optimizer.py",
     "tests/distributed/test_two_dimensional.py",
     "tests/distributed/test_two_launchers.py",
     "tests/distributed/test_equivalence.py",

@@ -34,7 +34,8 @@ from .safetensors_io import read_header
 STATE_FILE = "training_state.json"
 MARKER = ".hf_rtp-state.json"  # written first into `<dir>.partial`: the folder is this save's own
 _FORMAT = 2  # 2: `extra` under its own key; 1 (older): `extra` merged into hf_rtp's records
-_BLOCK_SCALES = re.compile(r"^optim\..*\.(absmax|qmap)[12]$")  # bitsandbytes' 8-bit state (distributed/blockwise.py)
+# 8-bit optimizer state's block scales (distributed/blockwise.py): bitsandbytes' and torchao's
+_BLOCK_SCALES = re.compile(r"^optim\..*\.((absmax|qmap)[12]|(exp_avg|exp_avg_sq|max_exp_avg_sq)_scale)$")
 _DCP_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -83,6 +84,30 @@ def _scalars(optim_sd) -> dict[str, dict[str, Any]]:
     return kept
 
 
+_TENSOR = "__hf_rtp_tensor__"  # a param-group value kept as a tensor (torchao's lr), restored as one
+
+
+def _groups_to_json(groups: list) -> list:
+    """Param groups for training_state.json: a tensor value (torchao keeps `lr` as a 0-dim tensor, and refuses to
+    step with a float in its place) as its value and dtype, which _groups_from_json turns back into that tensor."""
+    return [
+        {k: {_TENSOR: v.tolist(), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else v for k, v in g.items()}
+        for g in groups
+    ]
+
+
+def _groups_from_json(groups: list) -> list:
+    return [
+        {
+            k: torch.tensor(v[_TENSOR], dtype=getattr(torch, v["dtype"].removeprefix("torch.")))
+            if isinstance(v, dict) and _TENSOR in v
+            else v
+            for k, v in g.items()
+        }
+        for g in groups
+    ]
+
+
 def _identity(model: nn.Module) -> dict:
     state = state_of(model, required=False)
     return {"class": type(model).__name__, "plan": state.plan.name if state is not None else None}
@@ -129,7 +154,7 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                     "format": _FORMAT,
                     "identity": _identity(model),
                     "files": files,
-                    "param_groups": optim_sd["param_groups"],
+                    "param_groups": _groups_to_json(optim_sd["param_groups"]),
                     "scalars": _scalars(optim_sd),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "rng": rng,
@@ -168,10 +193,11 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
         _verify(directory, state, flat, model, optim_sd)
     with _named_waits("load_training_state", directory):
         dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
-        optim_sd["param_groups"] = state["param_groups"]
+        optim_sd["param_groups"] = _groups_from_json(state["param_groups"])
         for fqn, kept in state.get("scalars", {}).items():  # absent from checkpoints saved before it was kept
             optim_sd["state"].setdefault(fqn, {}).update(kept)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        _keep_loaded_dtypes(model, optimizer, optim_sd)
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
     rng = state["rng"]
@@ -181,6 +207,19 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
         if torch.cuda.is_available() and rng[rank].get("cuda") is not None:
             torch.cuda.set_rng_state(torch.tensor(rng[rank]["cuda"], dtype=torch.uint8))
     return _extra(state)
+
+
+def _keep_loaded_dtypes(model: nn.Module, optimizer, optim_sd: dict) -> None:
+    """torch's Optimizer.load_state_dict casts every state tensor but `step` to its parameter's dtype: right for
+    moments, wrong for 8-bit codes and their float32 scales (torchao's on rotated rows, integrations/torchao.py,
+    which keeps them as plain tensors). Those are put back as DCP read them, in the dtype this optimizer keeps."""
+    params = dict(model.named_parameters())
+    for fqn, loaded in optim_sd["state"].items():
+        state = optimizer.state.get(params[fqn], {}) if fqn in params else {}
+        for key, value in loaded.items():
+            kept = state.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(kept, torch.Tensor) and kept.dtype != value.dtype:
+                state[key] = value
 
 
 _RECORDS = ("format", "identity", "files", "param_groups", "scalars", "scheduler", "rng", "world_size", "extra")
@@ -344,12 +383,13 @@ def _verify(directory: str, state: dict, flat: dict, model: nn.Module, optim_sd:
     unknown = sorted(set(stored) - set(flat))
     if any(_BLOCK_SCALES.search(k) for k in missing + unknown):
         raise CheckpointError(
-            f"{directory} holds bitsandbytes optimizer state in another form than this run keeps it: "
+            f"{directory} holds 8-bit optimizer state (bitsandbytes' or torchao's) in another form than this run "
+            "keeps it: "
             + (f"it lacks {_listing(missing)}" if missing else f"it holds {_listing(unknown)}")
-            + ". hf_rtp keeps a parameter's 8-bit state only where every rank's rows start on one of bitsandbytes' "
-            "256-element blocks, float32 state elsewhere, and that depends on the world size: resume at the world "
-            f"size it was saved at ({state.get('world_size')}), or at one where the same parameters align (or it was "
-            "saved with another optimizer class or optim_bits: resume with the one it was saved with)"
+            + ". hf_rtp keeps a parameter's 8-bit state only where every rank's rows start on one of the optimizer's "
+            "blocks (256 elements), unquantized state elsewhere, and that depends on the world size: resume at the "
+            f"world size it was saved at ({state.get('world_size')}), or at one where the same parameters align (or it "
+            "was saved with another optimizer class or optim_bits: resume with the one it was saved with)"
         )
     if missing or unknown:
         raise CheckpointError(

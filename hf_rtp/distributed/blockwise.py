@@ -1,12 +1,13 @@
-"""Optimizer state quantized in blocks of the flattened tensor (bitsandbytes' 8-bit optimizers), on rotated rows.
+"""Optimizer state quantized in blocks of the flattened tensor (bitsandbytes' and torchao's 8-bit optimizers), on
+rotated rows.
 
-bitsandbytes keeps an 8-bit optimizer's moments as uint8 codes in the parameter's shape, plus one float32
-scale (`absmax`) per BLOCK consecutive elements of the flattened tensor, and its update of a block reads
-nothing outside that block. So a rank that steps only its own rows computes, bit for bit, what a step of
-the whole tensor computes there, provided every rank's rows start on a block boundary: then every block
-is one rank's alone. Where they do not, a block would straddle two ranks; hf_rtp then keeps that tensor's
-state in float32 (`aligned` says which; integrations/bitsandbytes.py warns), never a silently different
-step.
+bitsandbytes (like torchao, integrations/torchao.py, with its own `block_size`) keeps an 8-bit optimizer's moments
+as uint8 codes in the parameter's shape, plus one float32 scale (`absmax`) per BLOCK consecutive elements of the
+flattened tensor, and its update of a block reads nothing outside that block. So a rank that steps only its own rows
+computes, bit for bit, what a step of the whole tensor computes there, provided every rank's rows start on a block
+boundary: then every block is one rank's alone. Where they do not, a block would straddle two ranks; hf_rtp then
+keeps that tensor's state in float32 (`aligned` says which; integrations/bitsandbytes.py warns), never a silently
+different step.
 
 The scales are a rotated tensor too, cut by the I2 rule: k rows of the parameter hold m whole blocks
 (k = BLOCK / gcd(C, BLOCK), m = C / gcd(C, BLOCK), C the elements per row), so the scales have the shape
@@ -36,22 +37,22 @@ _REFUSED = (
 )
 
 
-def scales_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+def scales_shape(shape: torch.Size | tuple[int, ...], block: int = BLOCK) -> tuple[int, int]:
     """The global shape of a parameter's block scales as hf_rtp keeps them: (ceil(rows / k), m), see above."""
     rows, per_row = shape[0], math.prod(shape[1:])
-    common = math.gcd(per_row, BLOCK)
-    k, m = BLOCK // common, per_row // common
+    common = math.gcd(per_row, block)
+    k, m = block // common, per_row // common
     return math.ceil(rows / k), m
 
 
-def aligned(shape: torch.Size | tuple[int, ...], world: int) -> bool:
+def aligned(shape: torch.Size | tuple[int, ...], world: int, block: int = BLOCK) -> bool:
     """Whether every rank's rows of a tensor of `shape` start on a block of the flattened tensor, and its rows
     of the scales (cut by I2) are exactly its blocks. The same answer on every rank."""
     rows, per_row = shape[0], math.prod(shape[1:])
     if per_row == 0:
         return False
-    k = BLOCK // math.gcd(per_row, BLOCK)
-    scale_rows = scales_shape(shape)[0]
+    k = block // math.gcd(per_row, block)
+    scale_rows = scales_shape(shape, block)[0]
     for rank in range(world):
         start, end = chunk_rows(rows, world, rank)
         lo, hi = chunk_rows(scale_rows, world, rank)
@@ -63,10 +64,10 @@ def aligned(shape: torch.Size | tuple[int, ...], world: int) -> bool:
     return True
 
 
-def zero_scales(param: DTensor) -> DTensor:
+def zero_scales(param: DTensor, block: int = BLOCK) -> DTensor:
     """Zeros for the block scales of a rotated parameter: this rank's rows of (ceil(rows / k), m), rotated."""
     mesh = param.device_mesh
-    shape = scales_shape(param.shape)
+    shape = scales_shape(param.shape, block)
     start, end = chunk_rows(shape[0], mesh.size(), mesh.get_local_rank())
     local = torch.zeros((end - start, shape[1]), dtype=torch.float32, device=local_tensor(param).device)
     scales = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1))

@@ -353,9 +353,9 @@ def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
     return _marked(param)
 
 
-def rotated_scales(param: DTensor) -> RotatedTensor:
+def rotated_scales(param: DTensor, block: int = blockwise.BLOCK) -> RotatedTensor:
     """Zeros for the block scales of a rotated parameter's 8-bit optimizer state (distributed/blockwise.py)."""
-    return _marked(blockwise.zero_scales(param))
+    return _marked(blockwise.zero_scales(param, block))
 
 
 def keep_rotated(module: torch.nn.Module) -> None:
