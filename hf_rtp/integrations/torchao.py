@@ -81,6 +81,11 @@ def _before_step(optimizer, args, kwargs) -> None:
     if not rotated:
         return
     _check_supported(optimizer)
+    # torch hands the hooks step's own arguments, the optimizer first; a closure would recompute the gradients
+    if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+        raise RotatedStateError(
+            _REFUSED.format(name=type(optimizer).__name__, why="step(closure): call step() after your backward")
+        )
     unaligned = [p for group, p in rotated if not optimizer.state.get(p) and not _init_rows(optimizer, group, p)]
     if unaligned:
         shapes = ", ".join(str(tuple(p.shape)) for p in unaligned[:5]) + (", ..." if len(unaligned) > 5 else "")
