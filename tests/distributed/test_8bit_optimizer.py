@@ -13,7 +13,7 @@ import os
 import numpy
 import pytest
 import torch
-from support.compare import rows
+from support.compare import hf_rtp_records, rows, take_vanilla_grads
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -38,10 +38,7 @@ def _steps(ckpt, optimizer_name, steps=3):
     import hf_rtp
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("hf_rtp").addHandler(handler)
+    records = hf_rtp_records()
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
     vanilla = DistributedDataParallel(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).train())
     ref = dict(vanilla.module.named_parameters())
@@ -58,11 +55,7 @@ def _steps(ckpt, optimizer_name, steps=3):
         vanilla(input_ids=batch, labels=batch).loss.backward()
         model(input_ids=batch, labels=batch).loss.backward()
         hf_rtp.sync_grads(model)
-        for name, p in model.named_parameters():
-            mine = p.grad.to_local() if isinstance(p, DTensor) else p.grad
-            want = ref[name].grad[rows(p, world, rank)] if isinstance(p, DTensor) else ref[name].grad
-            torch.testing.assert_close(mine, want, atol=1e-6, rtol=1e-4)
-            mine.copy_(want)  # the same gradients: what remains to differ is the optimizer's step
+        take_vanilla_grads(model, ref, world, rank)
         ours.step(), theirs.step()
     unequal, kinds = [], {}
     for name, p in model.named_parameters():

@@ -137,3 +137,28 @@ def trainable_grad_gaps(model, reference) -> dict[str, tuple[float, float]]:
         for name, p in model.named_parameters()
         if p.requires_grad
     }
+
+
+def hf_rtp_records() -> list:
+    """Every record hf_rtp logs in this process from now on (a rank's own, whatever its level)."""
+    import logging
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("hf_rtp").addHandler(handler)
+    return records
+
+
+def take_vanilla_grads(model, ref: dict, world: int, rank: int, names=None) -> None:
+    """hf_rtp's gradients checked against vanilla's (DDP's, `ref` by name), then replaced by them: what remains
+    to differ after an optimizer step is the step's (rotated ones as this rank's rows)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if names is not None and name not in names:
+            continue
+        mine = p.grad.to_local() if isinstance(p, DTensor) else p.grad
+        want = ref[name].grad[rows(p, world, rank)] if isinstance(p, DTensor) else ref[name].grad
+        torch.testing.assert_close(mine, want, atol=1e-6, rtol=1e-4)
+        mine.copy_(want)
