@@ -84,28 +84,30 @@ def _scalars(optim_sd) -> dict[str, dict[str, Any]]:
     return kept
 
 
-_TENSOR = "__hf_rtp_tensor__"  # a param-group value kept as a tensor (torchao's lr), restored as one
+_TENSOR = "__hf_rtp_tensor__"  # a tensor among the optimizer's groups or the scheduler's state, restored as one
 
 
-def _groups_to_json(groups: list) -> list:
-    """Param groups for training_state.json: a tensor value (torchao keeps `lr` as a 0-dim tensor, and refuses to
-    step with a float in its place) as its value and dtype, which _groups_from_json turns back into that tensor."""
-    return [
-        {k: {_TENSOR: v.tolist(), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else v for k, v in g.items()}
-        for g in groups
-    ]
+def _to_json(value: Any) -> Any:
+    """Param groups and scheduler state for training_state.json. torchao keeps `lr` as a 0-dim tensor (and refuses
+    to step with a float in its place), and a scheduler then records its learning rates as tensors too: each
+    tensor is kept as its values and dtype, which _from_json turns back into that tensor."""
+    if isinstance(value, torch.Tensor):
+        return {_TENSOR: value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
 
 
-def _groups_from_json(groups: list) -> list:
-    return [
-        {
-            k: torch.tensor(v[_TENSOR], dtype=getattr(torch, v["dtype"].removeprefix("torch.")))
-            if isinstance(v, dict) and _TENSOR in v
-            else v
-            for k, v in g.items()
-        }
-        for g in groups
-    ]
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            return torch.tensor(value[_TENSOR], dtype=getattr(torch, value["dtype"]))
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
 
 
 def _identity(model: nn.Module) -> dict:
@@ -154,9 +156,9 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                     "format": _FORMAT,
                     "identity": _identity(model),
                     "files": files,
-                    "param_groups": _groups_to_json(optim_sd["param_groups"]),
+                    "param_groups": _to_json(optim_sd["param_groups"]),
                     "scalars": _scalars(optim_sd),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "scheduler": _to_json(scheduler.state_dict()) if scheduler is not None else None,
                     "rng": rng,
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "extra": dict(extra or {}),
@@ -193,13 +195,13 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
         _verify(directory, state, flat, model, optim_sd)
     with _named_waits("load_training_state", directory):
         dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
-        optim_sd["param_groups"] = _groups_from_json(state["param_groups"])
+        optim_sd["param_groups"] = _from_json(state["param_groups"])
         for fqn, kept in state.get("scalars", {}).items():  # absent from checkpoints saved before it was kept
             optim_sd["state"].setdefault(fqn, {}).update(kept)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         _keep_loaded_dtypes(model, optimizer, optim_sd)
         if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
+            scheduler.load_state_dict(_from_json(state["scheduler"]))
     rng = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.get("world_size") == world:  # at another world size the old per-rank streams mean nothing

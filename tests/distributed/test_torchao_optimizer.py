@@ -124,12 +124,18 @@ def _steps(ckpt, out, other, steps=3):
     warned = [r.getMessage() for r in records if r.levelno >= logging.WARNING and "torchao" in r.getMessage()]
     hf_rtp.save_training_state(other, model, ours)  # o_proj's state unquantized, as 3 ranks keep it
     resumable = _optim().AdamW8bit(_trained(model, RESUMED), lr=1e-2)  # aligned at 2 and 3 ranks alike
+    scheduler = _scheduler(resumable)  # torchao's lr is a tensor: so are the scheduler's records of it
     for _ in range(2):
         _synthetic_step(model, resumable)
-    hf_rtp.save_training_state(out, model, resumable)
+        scheduler.step()
+    hf_rtp.save_training_state(out, model, resumable, scheduler)
     saved = _full_state(model, resumable, RESUMED)
     _synthetic_step(model, resumable)
     return unequal, kinds, warned, saved, _full_state(model, resumable, RESUMED)
+
+
+def _scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
 
 
 def _full_state(model, optimizer, names):
@@ -146,6 +152,8 @@ def _full_state(model, optimizer, names):
                 value = value.full_tensor() if isinstance(value, DTensor) else value
                 whole[f"{name}.{key}"] = value.detach().reshape(-1).numpy().copy()
             whole[f"{name}.step"] = float(state["step"])
+    lr = optimizer.param_groups[0]["lr"]
+    whole["lr"] = (type(lr).__name__, float(lr))
     return whole
 
 
@@ -196,8 +204,10 @@ def _resume(ckpt, out, refused_out):
     with pytest.raises(hf_rtp.CheckpointError) as refused:  # o_proj's state: saved unquantized, 8-bit here
         hf_rtp.load_training_state(refused_out, model, optimizer)
     optimizer = _optim().AdamW8bit(_trained(model, RESUMED), lr=1e-2)
-    hf_rtp.load_training_state(out, model, optimizer)
+    scheduler = _scheduler(optimizer)
+    hf_rtp.load_training_state(out, model, optimizer, scheduler)
     loaded = _full_state(model, optimizer, RESUMED)
+    loaded["scheduler"] = (scheduler.last_epoch, [(type(x).__name__, float(x)) for x in scheduler.get_last_lr()])
     _synthetic_step(model, optimizer, in_turn=True)
     return str(refused.value), loaded, _full_state(model, optimizer, RESUMED), refusals
 
@@ -229,5 +239,7 @@ def test_torchao_adamw8bit_on_rotated_rows_steps_like_vanilla_ddp_saves_and_resu
         assert untouched and states == rounding_states == closure_states == 0
         assert "in another form than this run keeps it" in message and "saved at (3)" in message, message
         assert TRAINED[1] in message, message
+        assert loaded.pop("scheduler") == (2, [("Tensor", saved["lr"][1])])
+        assert saved["lr"] == ("Tensor", pytest.approx(1e-2 / 3))  # torchao refuses to step with a float lr
         assert sorted(k for k in saved if not numpy.array_equal(saved[k], loaded[k])) == []
         assert sorted(k for k in stepped if not numpy.array_equal(stepped[k], resumed[k])) == []
