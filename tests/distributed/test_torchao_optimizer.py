@@ -195,9 +195,33 @@ def _refused(model):
     return messages, untouched
 
 
-def _resume(ckpt, out, refused_out):
+def _trainers(ckpt, out):
+    """Trainer(optim="adamw_torch_8bit") as a script sets it, on vanilla (DDP) and on hf_rtp, then hf_rtp's run
+    resumed from its checkpoint-2: the losses of each."""
+    from test_trainer import Tokens
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
     import hf_rtp
 
+    def run(model, folder, resume=None):
+        _trained(model)
+        args = TrainingArguments(output_dir=folder, optim="adamw_torch_8bit", max_steps=4, learning_rate=1e-2,
+                                 per_device_train_batch_size=2, logging_steps=1, save_steps=2, report_to=[],
+                                 use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(32, 3))
+        trainer.train(resume_from_checkpoint=resume)
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    vanilla = run(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), f"{out}/vanilla")
+    ours = run(hf_rtp.from_pretrained(ckpt, dtype=torch.float32), f"{out}/ours")
+    resumed = run(hf_rtp.from_pretrained(ckpt, dtype=torch.float32), f"{out}/ours", f"{out}/ours/checkpoint-2")
+    return vanilla, ours, resumed
+
+
+def _resume(ckpt, out, refused_out, trainer_out):
+    import hf_rtp
+
+    trained = _trainers(ckpt, trainer_out)
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
     refusals = _refused(model)
     optimizer = _optim().AdamW8bit(_trained(model, TRAINED), lr=1e-2)
@@ -209,12 +233,16 @@ def _resume(ckpt, out, refused_out):
     loaded = _full_state(model, optimizer, RESUMED)
     loaded["scheduler"] = (scheduler.last_epoch, [(type(x).__name__, float(x)) for x in scheduler.get_last_lr()])
     _synthetic_step(model, optimizer, in_turn=True)
-    return str(refused.value), loaded, _full_state(model, optimizer, RESUMED), refusals
+    return str(refused.value), loaded, _full_state(model, optimizer, RESUMED), refusals, trained
 
 
-def test_torchao_adamw8bit_on_rotated_rows_steps_like_vanilla_ddp_saves_and_resumes_at_another_world_size(tmp_path):
+def test_torchao_adamw8bit_on_rotated_rows_steps_like_vanilla_ddp_saves_and_resumes_at_another_world_size(
+    tmp_path, monkeypatch
+):
     """3 ranks (uneven rows, o_proj unaligned) against vanilla; their training state resumed by 2 ranks exactly,
-    and where 2 ranks keep a parameter's state otherwise (o_proj: 8-bit), refused by name."""
+    and where 2 ranks keep a parameter's state otherwise (o_proj: 8-bit), refused by name. The 2 ranks are new
+    interpreters with torchao on their path from the start, as transformers' Trainer looks for it at import,
+    and also train with Trainer(optim="adamw_torch_8bit") beside vanilla."""
     ckpt, out, other = make_tiny("llama", tmp_path / "ckpt", **CONFIG), str(tmp_path / "s"), str(tmp_path / "o")
     results = run_on_ranks(_steps, 3, ckpt, out, other)
     for rank, (unequal, kinds, warned, _, _) in enumerate(results):
@@ -231,7 +259,15 @@ def test_torchao_adamw8bit_on_rotated_rows_steps_like_vanilla_ddp_saves_and_resu
     saved, stepped = results[0][3:]
     assert saved[f"{TRAINED[0]}.exp_avg"].dtype == numpy.uint8 and saved[f"{TRAINED[0]}.step"] == 2
     assert saved[f"{TRAINED[0]}.exp_avg_scale"].dtype == numpy.float32
-    for message, loaded, resumed, (refusals, untouched) in run_on_ranks(_resume, 2, ckpt, out, other):
+    if os.path.isdir(TORCHAO):
+        monkeypatch.syspath_prepend(os.path.abspath(TORCHAO))  # a spawned rank starts with this process's path
+    trainer_out = str(tmp_path / "trainer")
+    for message, loaded, resumed, (refusals, untouched), trained in run_on_ranks(
+        _resume, 2, ckpt, out, other, trainer_out, fresh=True
+    ):
+        vanilla, ours, resumed_losses = trained
+        assert ours == pytest.approx(vanilla, rel=1e-5), (ours, vanilla)
+        assert resumed_losses[-2:] == ours[2:]  # steps 3 and 4 again, from checkpoint-2: exact
         (four_bit, states), (rounding, rounding_states), (closure, closure_states) = refusals
         assert "torchao's AdamW4bit over a rotated model" in four_bit and "AdamW8bit and Adam8bit" in four_bit, four_bit
         assert "bf16_stochastic_round=True" in rounding, rounding
