@@ -205,9 +205,10 @@ def _trainers(ckpt, out):
 
     def run(model, folder, resume=None):
         _trained(model)
+        # weight_decay: two param groups (the norm without decay), and the decayed ones compile as in _steps
         args = TrainingArguments(output_dir=folder, optim="adamw_torch_8bit", max_steps=4, learning_rate=1e-2,
-                                 per_device_train_batch_size=2, logging_steps=1, save_steps=2, report_to=[],
-                                 use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
+                                 weight_decay=0.01, per_device_train_batch_size=2, logging_steps=1, save_steps=2,
+                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=Tokens(32, 3))
         trainer.train(resume_from_checkpoint=resume)
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
