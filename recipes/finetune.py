@@ -54,10 +54,16 @@ def parse_args(argv=None):
     p.add_argument("--resume_from", help="a checkpoint-{step} folder written by this recipe")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on the frozen rotated base")
     p.add_argument("--lora_r", type=int, default=8)
-    p.add_argument(
+    bits = p.add_mutually_exclusive_group()
+    bits.add_argument(
         "--load_in_4bit",
         action="store_true",
         help="QLoRA: a frozen NF4 base (bitsandbytes, double quantization) with LoRA adapters; implies --lora",
+    )
+    bits.add_argument(
+        "--load_in_8bit",
+        action="store_true",
+        help="a frozen LLM.int8() base (bitsandbytes' default threshold) with LoRA adapters; implies --lora",
     )
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--no_bf16", action="store_true", help="on GPU, train without bf16 autocast")
@@ -97,15 +103,21 @@ def main(argv=None):
             blocks, eval_blocks = split_eval(blocks, 0.05, args.seed)
 
     quantization = None
-    if args.load_in_4bit:
+    if args.load_in_4bit or args.load_in_8bit:
         from transformers import BitsAndBytesConfig
 
-        args.lora = True  # a 4-bit base does not train: its adapters do
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16 if torch.cuda.is_available() and not args.no_bf16 else torch.float32,
+        args.lora = True  # a quantized base does not train: its adapters do
+        quantization = (
+            BitsAndBytesConfig(load_in_8bit=True)
+            if args.load_in_8bit
+            else BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16
+                if torch.cuda.is_available() and not args.no_bf16
+                else torch.float32,
+            )
         )
     model = hf_rtp.from_pretrained(
         model_path,
@@ -118,7 +130,7 @@ def main(argv=None):
     log0(
         accelerator, f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring"
     )
-    if args.load_in_4bit:
+    if quantization is not None:
         from peft import prepare_model_for_kbit_training
 
         # as in vanilla QLoRA: everything frozen, input gradients on, checkpointing if asked

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 from support.recipes import ACCELERATE, TRAINER, finetune, metrics, run, same_data
 from transformers import AutoModelForCausalLM
 
@@ -38,10 +39,11 @@ def test_trainer_recipe(default_run, tmp_path):
     AutoModelForCausalLM.from_pretrained(summary["final"])
 
 
-def test_qlora_with_gradient_checkpointing(default_run, tmp_path):
+@pytest.mark.parametrize("bits", ["--load_in_4bit", "--load_in_8bit"])
+def test_qlora_with_gradient_checkpointing(default_run, tmp_path, bits):
     from peft import PeftModel
 
-    qlora = ["--load_in_4bit", "--gradient_checkpointing", *same_data(default_run)]  # --lora on a 4-bit base
+    qlora = [bits, "--gradient_checkpointing", *same_data(default_run)]  # --lora on a 4-bit (8-bit) base
     run([*ACCELERATE, *finetune(tmp_path, 4, *qlora)])
     assert metrics(tmp_path)[-1]["loss"] < metrics(tmp_path)[0]["loss"]
     final = os.path.join(tmp_path, "final")
