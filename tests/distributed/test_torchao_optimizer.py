@@ -68,8 +68,8 @@ def _state(optimizer, p, key):
 
 
 def _in_turn(step) -> None:
-    """A first step rank after rank: what one rank compiled, the next takes from torch.compile's cache (the
-    ranks share most shapes); the test's time only, the steps are the same."""
+    """A step rank after rank: what one rank compiled for its first step, the next takes from torch.compile's
+    cache (the ranks share most shapes); the test's time only, the steps are the same."""
     import torch.distributed as dist
 
     for turn in range(dist.get_world_size()):
