@@ -50,6 +50,14 @@ def load_config(model_or_config: str):
     return AutoConfig.from_pretrained(model_or_config)
 
 
+def config_from(args: argparse.Namespace):
+    """The config `hf-rtp estimate` is asked about: --model, with --attn-implementation if given."""
+    config = load_config(args.model)
+    if args.attn_implementation:
+        set_attention_implementation(config, args.attn_implementation)
+    return config
+
+
 def _meta_model(config, dtype: torch.dtype) -> Any:  # a transformers model on meta
     from transformers import AutoModelForCausalLM
 
@@ -328,9 +336,7 @@ def main(argv=None) -> dict[str, float]:
         raise SystemExit("--load-in-4bit: call hf_rtp.tools.memory_qlora.main (or hf-rtp estimate)")
     if args.rtp_size is not None and (args.rtp_size < 1 or args.world_size % args.rtp_size):
         raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
-    config = load_config(args.model)
-    if args.attn_implementation:
-        set_attention_implementation(config, args.attn_implementation)
+    config = config_from(args)
     result = estimate(
         config,
         args.world_size,

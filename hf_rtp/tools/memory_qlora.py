@@ -164,9 +164,7 @@ def main(argv=None) -> dict[str, float]:
         raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
     if args.lora_rank < 1:
         raise SystemExit("--lora-rank must be at least 1")
-    config = memory.load_config(args.model)
-    if args.attn_implementation:
-        memory.set_attention_implementation(config, args.attn_implementation)
+    config = memory.config_from(args)
     result = estimate_qlora(
         config,
         args.world_size,
