@@ -103,7 +103,10 @@ def _to_json(value: Any) -> Any:
 def _from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if _TENSOR in value:
-            return torch.tensor(value[_TENSOR], dtype=getattr(torch, value["dtype"]))
+            dtype = getattr(torch, str(value.get("dtype")), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"{STATE_FILE} records a tensor of dtype {value.get('dtype')!r}: it is damaged")
+            return torch.tensor(value[_TENSOR], dtype=dtype)
         return {k: _from_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_json(v) for v in value]
@@ -193,15 +196,16 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     with agreed(group, CheckpointError):
         state = _read_state(directory)
         _verify(directory, state, flat, model, optim_sd)
+        groups, scheduled = _from_json(state["param_groups"]), _from_json(state.get("scheduler"))
     with _named_waits("load_training_state", directory):
         dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(directory), process_group=group)
-        optim_sd["param_groups"] = _from_json(state["param_groups"])
+        optim_sd["param_groups"] = groups
         for fqn, kept in state.get("scalars", {}).items():  # absent from checkpoints saved before it was kept
             optim_sd["state"].setdefault(fqn, {}).update(kept)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         _keep_loaded_dtypes(model, optimizer, optim_sd)
-        if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(_from_json(state["scheduler"]))
+        if scheduler is not None and scheduled is not None:
+            scheduler.load_state_dict(scheduled)
     rng = state["rng"]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.get("world_size") == world:  # at another world size the old per-rank streams mean nothing
