@@ -9,13 +9,14 @@ import os
 import stat
 import types
 from datetime import timedelta
+from typing import Any
 
 import torch
 import transformers
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 from . import faults, keywords, log, plans
 from .checkpoint import quantized as quantized_checkpoint
@@ -27,7 +28,7 @@ from .checkpoint.pretrained import push_to_hub, save_pretrained
 from .distributed.agreement import agreed
 from .distributed.rotated import COMPILE_REFUSED, keep_rotated
 from .distributed.topology import setup
-from .errors import CheckpointError, RotatedStateError, TopologyError
+from .errors import CheckpointError, KeywordError, RotatedStateError, SettingError, TopologyError
 from .integrations import bitsandbytes, torchao
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import install_when_peft_is_imported
@@ -47,7 +48,7 @@ from .settings import DEFAULT_PIECE_SIZE, Settings
 def from_pretrained(
     pretrained_model_name_or_path: str | os.PathLike,
     *,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype | dict | None = None,
     device: str | torch.device | None = None,
     device_mesh: DeviceMesh | None = None,
     rtp_size: int | None = None,
@@ -73,7 +74,9 @@ def from_pretrained(
     process the model is plain PyTorch.
 
     Args:
-        dtype: "auto" (the checkpoint's config.dtype, as transformers does) or a torch dtype.
+        dtype: "auto" (the checkpoint's config.dtype, as transformers does; also what None, the default, means)
+            or a torch dtype. A dict of per-sub-config dtypes is taken as transformers 5 takes it: its "" entry
+            (else torch's default dtype) for every module, with vanilla's deprecation warning.
         device: where parameters live; default this rank's GPU (LOCAL_RANK) if CUDA is present, else CPU.
         device_mesh: the ranks to rotate on, made for you by default: a 1-D mesh over all ranks (one
             ring), or a 2-D mesh with dims named ("dp", "rtp"), whose every row is a ring.
@@ -112,7 +115,9 @@ def from_pretrained(
         kwargs: transformers' own keywords, with vanilla's meaning: `config=`, `subfolder`, `variant`,
             `use_safetensors`, `output_loading_info` (then a (model, info) pair is returned),
             `generation_config`, `torch_dtype`, `device_map` that puts the whole model on one device
-            (`{"": local_rank}`), `low_cpu_mem_usage` (a no-op, as in vanilla); and overrides for
+            (`{"": local_rank}`), `low_cpu_mem_usage` (a no-op, as in vanilla), `trust_remote_code` (a
+            checkpoint of a built-in architecture loads as vanilla loads it; one whose config maps the model or
+            config class to its own code, which vanilla would run, is refused by name); and overrides for
             config.json (e.g. attn_implementation="eager"). Those hf_rtp cannot honour (`device_map="auto"`,
             `tp_plan`, `quantization_config`, ...) are refused by name with the reason: see hf_rtp/keywords.py.
     """
@@ -126,6 +131,7 @@ def from_pretrained(
     directory, commit = _resolve(
         pretrained_model_name_or_path, options.subfolder, revision, token, cache_dir, local_files_only, topology.control
     )
+    _refuse_remote_code(directory, options, auto_class)  # before the config is built: that may be remote code too
     config = _config(directory, options)
     stored_quantization = bitsandbytes.stored_config(config)  # saved quantized by bitsandbytes: read as stored
     if stored_quantization is None:
@@ -255,7 +261,7 @@ def _config(directory: str, options: keywords.LoadOptions):
         return copy.deepcopy(source)
     config, unused = AutoConfig.from_pretrained(source, return_unused_kwargs=True, **options.config_kwargs)
     if unused:
-        raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+        raise KeywordError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unused))}")
     return config
 
 
@@ -288,7 +294,7 @@ class _Auto:
     auto_class: type | None = None
 
     def __init__(self):
-        raise TypeError(f"{type(self).__name__} is built with {type(self).__name__}.from_pretrained(...)")
+        raise KeywordError(f"{type(self).__name__} is built with {type(self).__name__}.from_pretrained(...)")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> PreTrainedModel:
@@ -384,23 +390,47 @@ def _named_plan(plan) -> plans.Plan | str:
         return plans.get(plan)
     if isinstance(plan, plans.Plan) or plan == "auto":
         return plan
-    raise TypeError(f"plan must be a Plan, a registered model_type or 'auto', got {type(plan).__name__}")
+    raise KeywordError(f"plan must be a Plan, a registered model_type or 'auto', got {type(plan).__name__}")
 
 
 def _choose_plan(plan, model) -> plans.Plan:
     return auto_plan(model) if plan == "auto" else plan
 
 
-def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
+def _resolve_dtype(dtype: Any, config, entries) -> torch.dtype:
     """As vanilla: "auto" is config.dtype, else the first floating dtype of the first weight file."""
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or _stored_dtype(entries)
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"dtype must be 'auto' or a torch dtype such as 'bfloat16', got {dtype!r}")
+            raise SettingError(f"dtype must be 'auto' or a torch dtype such as 'bfloat16', got {dtype!r}")
         dtype = getattr(torch, dtype)
-    assert isinstance(dtype, torch.dtype)  # checked above
+    if not isinstance(dtype, torch.dtype):
+        raise SettingError(
+            f"dtype must be 'auto', None, a torch dtype or a dict of them by sub-config, got {type(dtype).__name__}"
+        )
     return dtype
+
+
+def _refuse_remote_code(directory: str, options: keywords.LoadOptions, auto_class) -> None:
+    """trust_remote_code=True: vanilla runs the checkpoint's own code where its config maps the config class or
+    the model's auto class to it (`auto_map`); elsewhere it builds transformers' own class, as hf_rtp does."""
+    if not options.trust_remote_code:
+        return
+    source = options.config if options.config is not None else directory
+    if isinstance(source, (str, os.PathLike)):
+        mapped = PreTrainedConfig.get_config_dict(source)[0].get("auto_map") or {}
+    else:
+        mapped = getattr(source, "auto_map", None) or {}
+    wanted = getattr(auto_class, "__name__", None) or "AutoModelForCausalLM"
+    remote = sorted(name for name in mapped if name in ("AutoConfig", wanted))
+    if remote:
+        raise KeywordError(
+            f"hf_rtp.from_pretrained does not take trust_remote_code=True for this checkpoint: its config.json maps "
+            f"{', '.join(remote)} to the repository's own code ({', '.join(str(mapped[n]) for n in remote)}), which "
+            "vanilla would run. hf_rtp rotates transformers' own model classes only; a checkpoint of a built-in "
+            "architecture loads with trust_remote_code=True as in vanilla"
+        )
 
 
 def _stored_dtype(entries) -> torch.dtype:

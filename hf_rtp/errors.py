@@ -37,6 +37,16 @@ class IntegrationError(HfRtpError):
     """accelerate, Trainer, TRL or PEFT are used in a way hf_rtp cannot make data-parallel correct."""
 
 
+class KeywordError(HfRtpError, TypeError):
+    """A keyword, argument or config hf_rtp does not take (or not with this value), refused by name. A TypeError
+    too, as transformers raises for an argument it does not take, so `except TypeError` keeps working."""
+
+
+class SettingError(HfRtpError, ValueError):
+    """A value hf_rtp cannot use (a dtype, a size, a timeout, a fault point). A ValueError too, as transformers
+    raises for a bad value."""
+
+
 CLASSES = {
     cls.__name__: cls
     for cls in (
@@ -48,5 +58,7 @@ CLASSES = {
         CollectiveMisuseError,
         RotatedStateError,
         IntegrationError,
+        KeywordError,
+        SettingError,
     )
 }

@@ -23,6 +23,8 @@ import os
 import re
 import signal
 
+from .errors import SettingError
+
 POINTS = (
     "load.read",
     "forward",
@@ -43,10 +45,10 @@ def parse(spec: str) -> tuple[str, str, int | None, int]:
     that silently never fires (a test would then pass without testing anything)."""
     match = re.fullmatch(r"(kill|stop|raise)@([\w.]+)(?:#(\d+))?(?::(\d+))?", spec)
     if match is None:
-        raise ValueError(f"HF_RTP_FAULT must look like 'kill@save.commit#1:2' (kill, stop or raise), got {spec!r}")
+        raise SettingError(f"HF_RTP_FAULT must look like 'kill@save.commit#1:2' (kill, stop or raise), got {spec!r}")
     action, where, rank, nth = match.groups()
     if where not in POINTS:
-        raise ValueError(f"HF_RTP_FAULT names no fault point {where!r}; the points are {', '.join(POINTS)}")
+        raise SettingError(f"HF_RTP_FAULT names no fault point {where!r}; the points are {', '.join(POINTS)}")
     return action, where, None if rank is None else int(rank), int(nth or 1)
 
 

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from . import log
+from .errors import KeywordError, SettingError
+
 # vanilla pops and drops these itself ("not used anymore", internal markers of the Auto classes)
 NO_OPS = ("low_cpu_mem_usage", "mirror", "_fast_init", "from_tf", "from_flax", "offload_state_dict", "_commit_hash")
 NO_OPS_INTERNAL = ("_from_auto", "_from_pipeline")
@@ -39,7 +42,6 @@ REFUSED = {
     "gguf_file": "hf_rtp reads safetensors only: convert the GGUF file with transformers and save_pretrained",
     "key_mapping": "hf_rtp maps checkpoint names itself (see plans): rename the checkpoint's tensors with "
     "transformers' from_pretrained(key_mapping=...) and save_pretrained, then load that folder",
-    "trust_remote_code": "hf_rtp rotates transformers' own model classes; it does not run a repository's code",
     "use_kernels": _KERNELS,
     "kernel_config": _KERNELS,
     "allow_all_kernels": _KERNELS,
@@ -58,7 +60,6 @@ _DEFAULTS: dict[str, Any] = {
     "offload_buffers": False,
     "use_kernels": False,
     "allow_all_kernels": False,
-    "trust_remote_code": False,
     "force_download": False,
     "ignore_mismatched_sizes": False,
     "adapter_name": "default",
@@ -82,6 +83,7 @@ HONOURED = (
     "variant",
     "generation_config",
     "quantization_config",  # bitsandbytes 4/8-bit (integrations/bitsandbytes.py); others refused by name
+    "trust_remote_code",  # a built-in architecture loads as in vanilla; refused where remote code would run (api.py)
     "device_mesh",  # hf_rtp's own: the ranks to rotate on (transformers': its tensor-parallel mesh)
     "attn_implementation",  # config overrides, passed on to the config as vanilla does
     "experts_implementation",
@@ -100,6 +102,7 @@ class LoadOptions:
     quantization_config: Any = None
     dtype: Any = "auto"
     device: Any = None
+    trust_remote_code: bool = False
     config_kwargs: dict = field(default_factory=dict)
 
 
@@ -110,16 +113,14 @@ def resolve(kwargs: dict, dtype, device) -> LoadOptions:
         kwargs.pop(name, None)
     for name, reason in REFUSED.items():
         if name in kwargs and kwargs[name] != _DEFAULTS.get(name):
-            raise TypeError(f"hf_rtp.from_pretrained does not take {name}=: {reason}")
+            raise KeywordError(f"hf_rtp.from_pretrained does not take {name}=: {reason}")
         kwargs.pop(name, None)
     if kwargs.pop("use_safetensors", None) is False:
-        raise TypeError("hf_rtp.from_pretrained does not take use_safetensors=False: it reads safetensors only")
+        raise KeywordError("hf_rtp.from_pretrained does not take use_safetensors=False: it reads safetensors only")
     if kwargs.pop("weights_only", True) is not True:
-        raise TypeError("hf_rtp.from_pretrained does not take weights_only=False: it never unpickles weights")
+        raise KeywordError("hf_rtp.from_pretrained does not take weights_only=False: it never unpickles weights")
     kwargs.pop("disable_mmap", None)  # hf_rtp reads each rank's rows with plain reads, never through a mapping
     torch_dtype = kwargs.pop("torch_dtype", None)
-    if torch_dtype is not None and dtype == "auto":  # vanilla's older name; dtype wins when both are given
-        dtype = torch_dtype
     options = LoadOptions(
         config=kwargs.pop("config", None),
         subfolder=kwargs.pop("subfolder", "") or "",
@@ -127,16 +128,45 @@ def resolve(kwargs: dict, dtype, device) -> LoadOptions:
         output_loading_info=bool(kwargs.pop("output_loading_info", False)),
         generation_config=kwargs.pop("generation_config", None),
         quantization_config=_quantization(kwargs.pop("quantization_config", None)),
-        dtype=dtype,
+        # vanilla's older name: a dtype given wins, but "auto" (or None) yields to it through the Auto classes
+        dtype=_main_dtype(torch_dtype if torch_dtype is not None and _is_auto(dtype) else dtype),
         device=_device_from_map(kwargs.pop("device_map", None), device),
+        trust_remote_code=bool(kwargs.pop("trust_remote_code", False)),
     )
     if options.config is not None and not isinstance(options.config, (str, os.PathLike)) and kwargs:
-        raise TypeError(
+        raise KeywordError(
             f"from_pretrained(config=<a config object>) got config overrides {', '.join(sorted(kwargs))}: "
             "set them on the config you pass"
         )
     options.config_kwargs = kwargs
     return options
+
+
+def _is_auto(dtype) -> bool:
+    return dtype is None or (isinstance(dtype, str) and dtype == "auto")
+
+
+def _main_dtype(dtype):
+    """Vanilla's meaning of `dtype`: None is "auto" (transformers 5's default); a dict of per-sub-config dtypes is
+    its "" entry (else torch's default dtype) for every module, with vanilla's warning (transformers 5.23 and 5.24
+    set that one dtype on the config and every sub-config)."""
+    if dtype is None:
+        return "auto"
+    if not isinstance(dtype, dict):
+        return dtype
+    main = dtype.get("", torch.get_default_dtype())
+    if isinstance(main, str):
+        if not isinstance(getattr(torch, main, None), torch.dtype):
+            raise SettingError(f"dtype={dtype!r}: its '' entry must name a torch dtype such as 'bfloat16'")
+        main = getattr(torch, main)
+    if not isinstance(main, torch.dtype):
+        raise SettingError(f"dtype={dtype!r}: its '' entry must be a torch dtype, not {type(main).__name__}")
+    log.warning(
+        "Using different dtypes per module is deprecated and will be removed in future versions Setting different "
+        f"dtypes per backbone model might cause device errors downstream, therefore setting the dtype={main} for all "
+        "modules."
+    )
+    return main
 
 
 def _quantization(config):
@@ -154,17 +184,17 @@ def _device_from_map(device_map, device):
         return device
     if isinstance(device_map, dict):
         if set(device_map) != {""}:
-            raise TypeError(
+            raise KeywordError(
                 f"hf_rtp.from_pretrained does not take device_map={device_map!r}: it {_SPLIT}. "
                 'Pass device_map={"": local_rank} (the whole model on this rank\'s device) or device='
             )
         device_map = device_map[""]
     if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
-        raise TypeError(
+        raise KeywordError(
             f"hf_rtp.from_pretrained does not take device_map={device_map!r}: it {_SPLIT}. "
             "Leave device_map out (each rank uses its LOCAL_RANK GPU, else CPU), or pass device="
         )
     placed = torch.device("cuda", device_map) if isinstance(device_map, int) else torch.device(device_map)
     if device is not None and torch.device(device) != placed:
-        raise TypeError(f"device={device!r} and device_map={device_map!r} place the model on different devices")
+        raise KeywordError(f"device={device!r} and device_map={device_map!r} place the model on different devices")
     return placed

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 
-from .errors import TopologyError
+from .errors import SettingError, TopologyError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_ENTRY_TIMEOUT = timedelta(seconds=60)
@@ -54,11 +54,11 @@ class Settings:
         reduce_dtype: str | torch.dtype | None = None,
     ) -> Settings:
         if verify_weights not in VERIFY_MODES:
-            raise ValueError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
+            raise SettingError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
         if isinstance(reduce_dtype, str):
             reduce_dtype = getattr(torch, reduce_dtype, reduce_dtype)
         if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-            raise ValueError(
+            raise SettingError(
                 f"reduce_dtype must be None or a floating torch dtype such as torch.float32, got {reduce_dtype!r}"
             )
         return cls(
@@ -126,5 +126,5 @@ def parse_size(size: int | str, what: str = "max_shard_size") -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", size.upper()) if isinstance(size, str) else None
     if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"{what} must be a positive number of bytes or a size like '5GB', got {size!r}")
+        raise SettingError(f"{what} must be a positive number of bytes or a size like '5GB', got {size!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2)])

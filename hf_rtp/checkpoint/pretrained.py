@@ -14,9 +14,9 @@ import tempfile
 
 from ..distributed.agreement import agreed
 from ..distributed.topology import Topology
+from ..errors import CheckpointError, KeywordError, SettingError
 from ..log import warning
 from ..model.state import state_of
-from .safetensors_io import CheckpointError
 from .save import write
 
 # what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
@@ -54,11 +54,11 @@ def save_pretrained(
     topology: Topology = state_of(model).topology
     topology.enter("save_pretrained")
     if not safe_serialization:
-        raise ValueError("hf_rtp writes safetensors only; drop safe_serialization=False")
+        raise SettingError("hf_rtp writes safetensors only; drop safe_serialization=False")
     for name in _IGNORED_KWARGS:
         kwargs.pop(name, None)
     if variant is not None:
-        raise NotImplementedError("hf_rtp does not write weight variants yet")
+        raise KeywordError("hf_rtp does not write weight variants yet: drop variant=")
     if push_to_hub:
         return push_saved(model, save_directory, state_dict, max_shard_size, token, **kwargs)
     for name in sorted(kwargs):
@@ -104,7 +104,7 @@ def push_saved(model, save_directory: str | os.PathLike, state_dict, max_shard_s
     """save_pretrained(..., push_to_hub=True): the save into `save_directory`, then its files pushed."""
     unknown = sorted(set(kwargs) - set(_SAVE_PUSH_KWARGS))
     if unknown:
-        raise TypeError(
+        raise KeywordError(
             f"save_pretrained(push_to_hub=True) got keyword arguments hf_rtp does not pass on: {', '.join(unknown)} "
             f"(it takes {', '.join(_SAVE_PUSH_KWARGS)}; call model.push_to_hub(...) for the others)"
         )

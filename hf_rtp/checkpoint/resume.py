@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .. import faults
 from ..distributed.agreement import agreed
-from ..errors import CheckpointError, HfRtpError
+from ..errors import CheckpointError, HfRtpError, KeywordError
 from ..model.state import state_of
 from .atomic import recover_folder, replace_folder
 from .ownership import FolderLock, is_real_dir, read_json, write_json
@@ -241,11 +241,11 @@ def _check_extra(extra) -> None:
     if extra is None:
         return
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
-        raise TypeError(f"extra must be a dict with string keys, got {type(extra).__name__}")
+        raise KeywordError(f"extra must be a dict with string keys, got {type(extra).__name__}")
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as err:
-        raise TypeError(f"extra must hold only JSON values (numbers, strings, lists, dicts): {err}") from None
+        raise KeywordError(f"extra must hold only JSON values (numbers, strings, lists, dicts): {err}") from None
 
 
 def _normalised(directory) -> str:

@@ -27,7 +27,7 @@ from .. import log
 from ..distributed.blockwise import BLOCK, aligned
 from ..distributed.rotated import RotatedTensor, rotated_scales, whole
 from ..distributed.sharding import chunk_rows
-from ..errors import CheckpointError, RotatedStateError
+from ..errors import CheckpointError, KeywordError, RotatedStateError
 from ..layers.linear import RotatedLinear
 from ..layers.linear4bit import (
     BLOCKSIZE,
@@ -55,12 +55,12 @@ def checked_config(quantization_config: Any):
     if isinstance(quantization_config, dict):
         named = str(quantization_config.get("quant_method", "bitsandbytes"))
         if named != "bitsandbytes":
-            raise TypeError(f"hf_rtp.from_pretrained does not take quantization_config with quant_method={named!r}: "
+            raise KeywordError(f"hf_rtp.from_pretrained does not take quantization_config with quant_method={named!r}: "
                             f"{SUPPORTED}")  # fmt: skip
         quantization_config = BitsAndBytesConfig.from_dict(quantization_config)
     if not isinstance(quantization_config, BitsAndBytesConfig):
         method = getattr(quantization_config, "quant_method", None)
-        raise TypeError(
+        raise KeywordError(
             f"hf_rtp.from_pretrained does not take quantization_config={type(quantization_config).__name__} "
             f"(quant_method={str(getattr(method, 'value', method))!r}): {SUPPORTED}. It never loads such a model "
             "whole or dequantized"
@@ -79,7 +79,7 @@ def checked_config(quantization_config: Any):
     }  # fmt: skip
     for setting, present in refused.items():
         if present:
-            raise TypeError(
+            raise KeywordError(
                 f"hf_rtp.from_pretrained does not take a BitsAndBytesConfig with {setting}: {SUPPORTED} "
                 "(a frozen base whose quantized bytes hf_rtp stores as uint8 and shards by rows itself)"
             )
@@ -98,12 +98,12 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     if rtp_size < 2:
-        raise TypeError(
+        raise KeywordError(
             "hf_rtp.from_pretrained does not take quantization_config on a ring of one rank (one process, or "
             "rtp_size=1): nothing rotates there. Load it with transformers' from_pretrained"
         )
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"bitsandbytes quantizes float32, bfloat16 or float16 weights, not dtype={dtype}")
+        raise KeywordError(f"bitsandbytes quantizes float32, bfloat16 or float16 weights, not dtype={dtype}")
     kept = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules, keep_in_fp32_modules(model))
     spec: Quant4bit | Quant8bit = (
         Quant8bit(config.llm_int8_threshold)
@@ -116,19 +116,19 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
         if not (type(module) is nn.Linear or isinstance(module, Conv1D)) or not should_convert_module(name, kept):
             continue
         if module is head:  # transformers skips it by default, but not once llm_int8_skip_modules is given
-            raise TypeError(
+            raise KeywordError(
                 f"quantization_config: llm_int8_skip_modules={config.llm_int8_skip_modules} leaves the LM head "
                 f"({name}) to be quantized, which hf_rtp does not do (its loss runs on the rotated head): add "
                 f"{name!r} to llm_int8_skip_modules"
             )
         if resolution.rotated.get(name) != "linear":
-            raise TypeError(
+            raise KeywordError(
                 f"quantization_config: transformers would quantize {name} ({type(module).__name__}), which this "
                 f"plan does not rotate as a linear layer; hf_rtp quantizes rotated nn.Linear modules only. "
                 f"Add it to llm_int8_skip_modules to keep it unquantized, as vanilla would then"
             )
         if isinstance(spec, Quant4bit) and module.in_features % BLOCKSIZE:
-            raise TypeError(
+            raise KeywordError(
                 f"quantization_config: {name} has in_features={module.in_features}, not a multiple of bitsandbytes' "
                 f"block size {BLOCKSIZE}, so its rows cannot be quantized apart exactly as the whole weight is. "
                 "Add it to llm_int8_skip_modules"
@@ -212,7 +212,7 @@ def stored_config(config):
         return None
     try:
         return checked_config(quantization)
-    except TypeError as err:
+    except KeywordError as err:
         raise CheckpointError(f"this checkpoint was saved quantized by bitsandbytes with a setting hf_rtp does not "
                               f"read: {err}") from None  # fmt: skip
 

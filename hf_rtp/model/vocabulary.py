@@ -25,7 +25,7 @@ from .. import faults, log
 from ..distributed.agreement import agreed
 from ..distributed.rotated import RotatedTensor
 from ..distributed.sharding import ChunkLayout, chunk_rows
-from ..errors import RotatedStateError
+from ..errors import RotatedStateError, SettingError
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from ..private.transformers_names import resized_embeddings, resized_lm_head
@@ -97,7 +97,7 @@ def _new_size(old: int, new_num_tokens, pad_to_multiple_of) -> int | None:
     """The size vanilla's resize gives (its own checks, its own rounding), or None for no change at all."""
     if pad_to_multiple_of is not None:
         if not isinstance(pad_to_multiple_of, int):
-            raise ValueError(
+            raise SettingError(
                 f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is not and "
                 "integer. "
                 "Please make sure to pass an integer"

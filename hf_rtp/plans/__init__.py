@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import PlanError, UnsupportedModelError
+from ..errors import KeywordError, PlanError, UnsupportedModelError
 from .base import Plan, Resolution
 from .decoder import FAMILIES, VISION_LANGUAGE, decoder_plan, vision_language_plan
 from .gpt2 import GPT2
@@ -21,7 +21,7 @@ def supported() -> list[str]:
 def register(model_type: str, plan: Plan, *, overwrite: bool = False) -> None:
     """Make `plan` the one hf_rtp uses for checkpoints whose config.model_type is `model_type`."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"register() needs an hf_rtp.plans.Plan, got {type(plan).__name__}")
+        raise KeywordError(f"register() needs an hf_rtp.plans.Plan, got {type(plan).__name__}")
     if model_type in _REGISTRY and not overwrite:
         raise PlanError(f"a plan for '{model_type}' is registered already; pass overwrite=True to replace it")
     _REGISTRY[model_type] = plan

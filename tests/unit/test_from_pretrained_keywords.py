@@ -50,15 +50,17 @@ def ckpt(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("keywords") / "ckpt")
 
 
-SAMPLES = {"device_map": "auto", "offload_buffers": True, "trust_remote_code": True, "adapter_name": "other"}
+SAMPLES = {"device_map": "auto", "offload_buffers": True, "adapter_name": "other"}
 SAMPLES.update({"force_download": True, "ignore_mismatched_sizes": True, "use_kernels": True})
 SAMPLES.update({"allow_all_kernels": True})
 
 
 @pytest.mark.parametrize("name", sorted(keywords.REFUSED))
 def test_a_refused_keyword_is_named_with_its_reason(ckpt, name):
-    with pytest.raises(TypeError, match=rf"does not take {name}=: .{{20}}"):
+    # hf_rtp's own class, and a TypeError as transformers raises for a keyword it does not take
+    with pytest.raises(hf_rtp.KeywordError, match=rf"does not take {name}=: .{{20}}") as refused:
         hf_rtp.from_pretrained(ckpt, **{name: SAMPLES.get(name, "x")})
+    assert isinstance(refused.value, TypeError)
 
 
 @pytest.mark.parametrize(
@@ -74,8 +76,9 @@ def test_a_refused_keyword_is_named_with_its_reason(ckpt, name):
     ],
 )
 def test_values_hf_rtp_cannot_honour_are_refused_by_name(ckpt, kwargs, named):
-    with pytest.raises(TypeError, match=re.escape(named)):
+    with pytest.raises(hf_rtp.KeywordError, match=re.escape(named)) as refused:
         hf_rtp.from_pretrained(ckpt, **kwargs)
+    assert isinstance(refused.value, TypeError)
 
 
 def _same_weights(model, vanilla):
@@ -92,6 +95,13 @@ def _same_weights(model, vanilla):
         {"use_safetensors": True, "low_cpu_mem_usage": True, "weights_only": True, "disable_mmap": True},
         {"torch_dtype": torch.float64},
         {"dtype": torch.bfloat16, "torch_dtype": torch.float64},  # dtype wins, as in vanilla
+        {"dtype": None},  # what transformers' example scripts pass by default: vanilla's "auto"
+        {"dtype": None, "torch_dtype": torch.float64},
+        {"dtype": "auto", "torch_dtype": torch.float64},  # vanilla: "auto" is a dtype given, and wins
+        {"dtype": {"": torch.float64}},  # transformers 5's per-sub-config dict: its "" entry for every module
+        {"dtype": {"": "bfloat16", "text_config": "float64"}},
+        {"dtype": {"text_config": torch.float64}},  # no "" entry: torch's default dtype
+        {"trust_remote_code": True},  # a built-in architecture: transformers' own class, as in vanilla
         {"device_map": {"": "cpu"}},
         {"device_map": "cpu"},
         {"attn_implementation": "eager"},
@@ -107,6 +117,25 @@ def test_honoured_keywords_load_what_vanilla_loads(ckpt, kwargs):
     assert model.config._attn_implementation == vanilla.config._attn_implementation
     assert model.generation_config.to_dict() == vanilla.generation_config.to_dict()
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+
+
+@pytest.mark.parametrize("mapped", ["AutoConfig", "AutoModelForCausalLM"])
+def test_trust_remote_code_is_refused_by_name_where_vanilla_would_run_the_checkpoints_code(tmp_path, ckpt, mapped):
+    folder = tmp_path / "remote"
+    AutoModelForCausalLM.from_pretrained(ckpt).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {mapped: f"modeling_custom.{mapped.removeprefix('Auto')}"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf_rtp.KeywordError, match=rf"trust_remote_code=True.*maps {mapped} to the repository's own code"):
+        hf_rtp.from_pretrained(folder, trust_remote_code=True)
+    _same_weights(hf_rtp.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder))  # vanilla's class
+
+
+def test_bad_dtypes_are_refused_by_name_as_value_errors(ckpt):
+    for dtype, named in (("floaty", "dtype must be 'auto'"), ({"": "auto"}, "its '' entry"), (3, "got int")):
+        with pytest.raises(hf_rtp.SettingError, match=re.escape(named)) as refused:
+            hf_rtp.from_pretrained(ckpt, dtype=dtype)
+        assert isinstance(refused.value, ValueError)
 
 
 def test_subfolder_reads_config_and_weights_from_the_subfolder(tmp_path):
