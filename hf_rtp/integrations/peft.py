@@ -31,9 +31,10 @@ whole-matrix arithmetic on the rotated weight, which gave wrong weights without 
 `modules_to_save` merge correctly and are left alone.
 
 The stand-ins go in when a rotated model is loaded, if PEFT is imported by then; otherwise when PEFT is
-imported later, by a one-shot finder on `sys.meta_path` that runs PEFT's own import and then installs
-them (`install_when_peft_is_imported`). hf_rtp itself never imports PEFT: PEFT imports bitsandbytes when
-it is installed, about 2 s per process that never uses either.
+imported later, by a finder on `sys.meta_path` that runs PEFT's own import, then installs them and leaves
+(`install_when_peft_is_imported`); a lookup that imports nothing (`importlib.util.find_spec`, which
+transformers' `is_peft_available()` calls) leaves it in place. hf_rtp itself never imports PEFT: PEFT
+imports bitsandbytes when it is installed, about 2 s per process that never uses either.
 
 Outside the tested versions nothing is replaced, and a warning says so: PEFT's own rule then sizes
 adapters on rotated layers, and a wrong size fails at the first forward (a shape mismatch), never silently.
@@ -45,6 +46,7 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -64,21 +66,30 @@ _MARK = "hf_rtp_stands_in_for"
 
 
 class _WhenImported(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: at `import peft` it takes itself off sys.meta_path, lets the other finders find
-    PEFT, and has PEFT's loader install the stand-ins once PEFT's own module code has run."""
+    """Finds nothing itself: at each lookup of `peft` it lets the other finders find PEFT and has that spec's
+    loader install the stand-ins once PEFT's own module code has run. It leaves sys.meta_path only then, when
+    PEFT is really imported: `importlib.util.find_spec("peft")` (transformers' `is_peft_available()`) looks PEFT up
+    without importing it, and must not use the finder up."""
+
+    def __init__(self):
+        self._looking = threading.local()
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "peft":
+        if fullname != "peft" or getattr(self._looking, "now", False):
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self._looking.now = True  # the lookup below asks every finder again, this one included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._looking.now = False
         loader = getattr(spec, "loader", None)
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
         run = loader.exec_module
 
         def exec_module(module):  # this spec's loader only: a fresh object per find
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             run(module)
             make_peft_use_global_features()
 

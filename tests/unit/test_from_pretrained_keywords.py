@@ -126,7 +126,8 @@ def test_trust_remote_code_is_refused_by_name_where_vanilla_would_run_the_checkp
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {mapped: f"modeling_custom.{mapped.removeprefix('Auto')}"}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(hf_rtp.KeywordError, match=rf"trust_remote_code=True.*maps {mapped} to the repository's own code"):
+    refusal = rf"trust_remote_code=True.*maps {mapped} to the repository's own code"
+    with pytest.raises(hf_rtp.KeywordError, match=refusal):
         hf_rtp.from_pretrained(folder, trust_remote_code=True)
     _same_weights(hf_rtp.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder))  # vanilla's class
 

@@ -9,11 +9,15 @@ import subprocess
 import sys
 
 SCRIPT = """
-import json, sys
+import importlib.util, json, sys
 import hf_rtp
 from hf_rtp.integrations.peft import install_when_peft_is_imported
 
 install_when_peft_is_imported()  # what a rotated from_pretrained calls
+# what loading any vanilla model (a reward or reference model) asks: a lookup that imports nothing
+from transformers.utils import is_peft_available
+assert is_peft_available()
+importlib.util.find_spec("peft")
 imported = sorted(m for m in ("peft", "bitsandbytes") if m in sys.modules)
 waiting = [type(f).__name__ for f in sys.meta_path if type(f).__module__ == "hf_rtp.integrations.peft"]
 import peft.tuners.tuners_utils as tuners_utils
