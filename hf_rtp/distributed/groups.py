@@ -2,6 +2,8 @@
 
 hf_rtp never communicates on the world group: whoever made that (accelerate and Trainer give it
 30 minutes), every collective hf_rtp issues runs on a group of its own carrying hf_rtp's timeout.
+A world group hf_rtp made itself (from_pretrained under torchrun, before anyone else did) is hf_rtp's to
+tear down too: at exit, after its own groups, unless the script destroyed it already.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _groups: dict[tuple, dist.ProcessGroup] = {}
+_world: list = []  # the world group hf_rtp initialised, if it did
+_registered: list = []  # the exit handler, once per process
+
+
+def init_world(**kwargs) -> None:
+    """dist.init_process_group(**kwargs), remembered as hf_rtp's to destroy at exit."""
+    dist.init_process_group(**kwargs)
+    _world[:] = [dist.group.WORLD]
+    _at_exit()
 
 
 def group(role: str, ranks: tuple, backend: str, timeout: timedelta) -> dist.ProcessGroup:
@@ -20,17 +31,27 @@ def group(role: str, ranks: tuple, backend: str, timeout: timedelta) -> dist.Pro
     every rank must ask for every group in one order)."""
     key = (role, ranks, backend, timeout, id(dist.group.WORLD))
     if key not in _groups:
-        if not _groups:
-            atexit.register(_destroy_groups)
+        _at_exit()
         _groups[key] = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
     return _groups[key]
 
 
+def _at_exit() -> None:
+    if not _registered:
+        atexit.register(_destroy_groups)
+        _registered.append(True)
+
+
 def _destroy_groups() -> None:
-    """Tear hf_rtp's groups down while the world group still exists: left to interpreter shutdown,
-    a gloo group can abort the process ("terminate called without an active exception")."""
+    """Tear hf_rtp's groups down while the world group still exists, then the world group if hf_rtp made it:
+    left to interpreter shutdown, a gloo group can abort the process ("terminate called without an active
+    exception") after the script's own work succeeded. No wait: destroying a group does not communicate."""
     if dist.is_initialized():
         for made in _groups.values():
             with contextlib.suppress(RuntimeError, ValueError):  # the user destroyed everything already
                 dist.destroy_process_group(made)
+        if _world and dist.group.WORLD is _world[0]:  # still the one hf_rtp made, not a later one of the user's
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group()
     _groups.clear()
+    _world.clear()

@@ -24,7 +24,7 @@ from ..errors import TopologyError
 from ..settings import Settings
 from . import rendezvous
 from .agreement import agreed
-from .groups import group
+from .groups import group, init_world
 from .ring import Ring
 from .rotated import RotationMesh
 
@@ -82,7 +82,7 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
         torch.cuda.set_device(device)
     if not dist.is_initialized() and launched > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        init_world(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if device_mesh is not None and not dist.is_initialized():
             raise TopologyError("a device_mesh was given but torch.distributed is not initialised")
