@@ -28,16 +28,13 @@ import os
 import sys
 import types
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
 from ..checkpoint.load import load_into
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..distributed.rotated import COMPILE_REFUSED
 from ..errors import IntegrationError, RotatedStateError
 from ..log import warning
 from ..model.state import rotated_module, state_of
-from ..private.transformers_names import TESTED
+from ..private.transformers_names import TESTED, check_trainer_methods_version
 from . import trl
 from .accelerate import check_processes
 from .peft import adapter_state_dict
@@ -107,11 +104,8 @@ def _attach(trainer, model):
 
 
 def _check_versions(cls) -> None:
-    import transformers
-
+    check_trainer_methods_version()  # an older transformers is refused, a newer one warned about (private/gate.py)
     problems = []
-    if Version(transformers.__version__) not in SpecifierSet(TESTED):
-        problems.append(f"transformers {transformers.__version__} is outside the tested versions ({TESTED})")
     for name, expected in _REPLACED.items():
         found = list(inspect.signature(getattr(cls, name)).parameters) if hasattr(cls, name) else None
         if found != expected:
@@ -119,7 +113,7 @@ def _check_versions(cls) -> None:
     if problems:
         raise IntegrationError(
             "hf_rtp cannot attach to this Trainer: " + "; ".join(problems) + ". Install a tested transformers "
-            "(see hf_rtp's pyproject.toml), or save with model.save_pretrained and hf_rtp.save_training_state in "
+            f"({TESTED}), or save with model.save_pretrained and hf_rtp.save_training_state in "
             "your own loop"
         )
 

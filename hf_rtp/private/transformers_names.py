@@ -8,13 +8,20 @@ from typing import Any
 
 import transformers
 
-from .gate import lookup
+from .gate import check_version, lookup
 
-TESTED = ">=5.0,<5.24"  # pyproject.toml's bounds
+TESTED = ">=5.0,<5.25"  # pyproject.toml's lower bound; newer releases are warned about (gate.py)
 
 
 def _get(owner: Any, name: str) -> Any:
     return lookup(owner, name, "transformers", transformers.__version__, TESTED)
+
+
+def check_trainer_methods_version() -> None:
+    """The gate for the Trainer methods integrations/trainer.py replaces (their signatures are checked there)."""
+    check_version(
+        "transformers", transformers.__version__, TESTED, "Trainer methods (save_model, _load_best_model, ...)"
+    )
 
 
 def init_weights(model: Any, module: Any) -> None:

@@ -1,6 +1,7 @@
 """torch's, transformers' and accelerate's private names are reached only through hf_rtp/private/, which
-fails with IntegrationError naming a name outside the tested versions or once it is gone (DESIGN.md,
-"Private names"). The checker is tried on a planted file too, so that one that finds nothing cannot pass."""
+fails with IntegrationError naming a name below the tested versions or once it is gone, and warns once for a
+newer release (DESIGN.md, "Private names"). The checker is tried on a planted file too, so that one that finds
+nothing cannot pass."""
 
 from __future__ import annotations
 
@@ -87,21 +88,41 @@ def test_every_gated_name_resolves_under_the_installed_versions():
     assert accelerate_names.state_exists() in (True, False)
 
 
-def test_an_untested_version_or_a_missing_name_is_an_integration_error_naming_it():
-    with pytest.raises(hf_rtp.IntegrationError, match=r"torch's private DTensor._op_dispatcher.*torch>=2.6,<2.14"):
-        gate.check_version("torch", "2.14.0", torch_names.TESTED, "DTensor._op_dispatcher")
+def test_an_older_version_or_a_missing_name_is_an_integration_error_naming_it():
+    with pytest.raises(
+        hf_rtp.IntegrationError, match=r"torch's private DTensor._op_dispatcher.*torch>=2.6,<2.16.*older"
+    ):
+        gate.check_version("torch", "2.5.1", torch_names.TESTED, "DTensor._op_dispatcher")
     gate.check_version("torch", "2.13.0+cpu", torch_names.TESTED, "DTensor._op_dispatcher")  # a local build
+    gate.check_version("torch", "2.15.0+cu132", torch_names.TESTED, "DTensor._op_dispatcher")
     with pytest.raises(hf_rtp.IntegrationError, match=r"private _apply_gate, which transformers \S+ does not have"):
         transformers_names.experts_gate(torch.nn.Linear(2, 2))
 
 
-def test_the_gates_use_pyproject_bounds():
+def test_a_newer_version_is_warned_about_once_and_still_looked_up_by_name(caplog):
+    """A release out after hf_rtp's (a nightly too) is not refused: one warning per library, then every name
+    is looked up as usual, and one that is gone still fails naming it."""
+    with caplog.at_level("WARNING", logger="hf_rtp"):
+        for name in ("a", "b"):
+            gate.check_version("torch", "2.99.0", torch_names.TESTED, name)
+        gate.check_version("torch", "2.98.0.dev20270101+cu140", torch_names.TESTED, "a")
+        assert gate.lookup(torch, "_assert_async", "torch", "2.99.0", torch_names.TESTED) is torch._assert_async
+        with pytest.raises(hf_rtp.IntegrationError, match=r"private _gone_name, which torch 2.99.0 does not have"):
+            gate.lookup(torch, "_gone_name", "torch", "2.99.0", torch_names.TESTED)
+    warned = [r.getMessage() for r in caplog.records if r.name == "hf_rtp"]
+    assert len(warned) == 2, warned  # one per installed version, not per name
+    assert "torch>=2.6,<2.16; torch 2.99.0 is newer" in warned[0]
+
+
+def test_the_gates_start_at_pyproject_lower_bounds():
+    """pyproject.toml bounds torch and transformers from below only (a newer release is warned about, not
+    downgraded by pip); accelerate keeps its tested range there."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
     bounds = {}
     for requirement in pyproject["project"]["dependencies"]:
         name, spec = re.fullmatch(r"([a-z_-]+)(.*)", requirement).groups()
         bounds[name] = spec
-    assert bounds["torch"] == torch_names.TESTED
-    assert bounds["transformers"] == transformers_names.TESTED
+    assert bounds["torch"] == torch_names.TESTED.split(",")[0] == ">=2.6"
+    assert bounds["transformers"].split(",")[0] == transformers_names.TESTED.split(",")[0]
     assert bounds["accelerate"] == accelerate_names.TESTED
