@@ -30,6 +30,7 @@ from .distributed.rotated import COMPILE_REFUSED, keep_rotated
 from .distributed.topology import setup
 from .errors import CheckpointError, KeywordError, RotatedStateError, SettingError, TopologyError
 from .integrations import bitsandbytes, torchao
+from .integrations.accelerate import adopt_caller as adopt_accelerator
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import install_when_peft_is_imported
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
@@ -319,14 +320,16 @@ class AutoModelForImageTextToText(_Auto):
 
 def bind(model: nn.Module, state: RTPState) -> nn.Module:
     """Everything hf_rtp attaches to a loaded model: its state, the collective save/push/generate, the
-    DDP ignore list, Trainer adoption on `.to()`, and the guard that makes ranks meet at each forward."""
+    DDP ignore list (and adoption of a plain Accelerator that wraps it in DDP), Trainer adoption on `.to()`, and
+    the guard that makes ranks meet at each forward."""
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
     _attach(model, "save_pretrained", _save_pretrained)
     _attach(model, "push_to_hub", push_to_hub)
     _attach(model, "resize_token_embeddings", resize_token_embeddings)
     if is_causal_lm(model):
         _attach(model, "generate", generate)
-    ignore_rotated_in_ddp(model)
+    # DDP reads the names to ignore while a plain Accelerator's prepare wraps the model: adopt that Accelerator
+    ignore_rotated_in_ddp(model, on_read=lambda: adopt_accelerator(model))
 
     def _apply(self, fn, recurse=True):  # every Trainer moves its model to a device in __init__
         adopt_caller(self)

@@ -1,4 +1,5 @@
-"""accelerate on a rotated model: `hf_rtp.Accelerator`, a drop-in subclass of accelerate's.
+"""accelerate on a rotated model: `hf_rtp.Accelerator`, a drop-in subclass of accelerate's, and a plain
+`accelerate.Accelerator` adopted when its `prepare` wraps a rotated model (`adopt_caller`).
 
 accelerate saves from the main process, pickling or safetensors-writing each state dict whole: on
 rotated parameters that is rank 0's rows (pickling refuses, see distributed.rotated.RotationMesh). This subclass
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import types
 from contextlib import contextmanager
 
 import accelerate
 import torch
 from accelerate.utils import InitProcessGroupKwargs
 
+from .. import log
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, TopologyError
 from ..model.state import rotated_module, state_of
@@ -64,6 +68,7 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(
             *args, cpu=not torch.cuda.is_available() if cpu is None else cpu, kwargs_handlers=handlers, **kwargs
         )
+        self.__dict__[_ADOPTED] = True
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         state = state_of(model, required=False)
@@ -72,64 +77,120 @@ class Accelerator(accelerate.Accelerator):
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
-        pairs = self._rotated_pairs()
-        with self._without(pairs):
-            location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        for i, (model, optimizer) in enumerate(pairs):
-            save_training_state(os.path.join(location, STATE_DIR.format(i)), model, optimizer.optimizer)
-        return location
+        return save_state(self, output_dir, safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
-        pairs = self._rotated_pairs()
-        input_dir = input_dir if input_dir is not None else self._latest_checkpoint()
-        with self._without(pairs):
-            super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
-        for i, (model, optimizer) in enumerate(pairs):
-            load_training_state(os.path.join(input_dir, STATE_DIR.format(i)), model, optimizer.optimizer)
+        return load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
-        base = rotated_module(model)
-        if base is None:
-            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        if base is not self.unwrap_model(model):
+        return save_model(self, model, save_directory, max_shard_size, safe_serialization)
+
+
+_ADOPTED = "_hf_rtp_adopted"
+_REPLACED = ("save_state", "load_state", "save_model")
+
+
+def adopt_caller(model) -> None:
+    """A plain `accelerate.Accelerator` whose `prepare` is wrapping this rotated model in DDP (DDP reads the names
+    it must ignore, model/data_parallel.py, which calls this) gets hf_rtp.Accelerator's save_state, load_state and
+    save_model, on that instance only: accelerate's own would pickle rank 0's rows of the model and its optimizer
+    (refused, RotatedStateError). A script that builds `accelerate.Accelerator()` then needs no change beyond its
+    model load. Its `prepare` does not move a model holding DTensors (`model_has_dtensor`), so DDP's read is the one
+    step of `prepare` that hf_rtp sees."""
+    accelerator = _preparing_accelerator(depth=12)
+    if accelerator is None or accelerator.__dict__.get(_ADOPTED):
+        return
+    state = state_of(model, required=False)
+    if state is not None:
+        check_processes(accelerator.num_processes, state.topology.world_size)
+    for name in _REPLACED:
+        setattr(accelerator, name, types.MethodType(globals()[name], accelerator))
+    accelerator.__dict__[_ADOPTED] = True
+    log.info(f"hf_rtp saves and loads the rotated model's state for this {type(accelerator).__name__} (save_state)")
+
+
+def _preparing_accelerator(depth: int):
+    """The accelerate.Accelerator whose `prepare_model` is on the stack within `depth` frames, if any."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "prepare_model":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, accelerate.Accelerator):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+    """accelerate's save_state without the rotated models and their optimizers, which every rank writes to
+    `<location>/hf_rtp_state_<i>` through torch.distributed.checkpoint."""
+    pairs = _rotated_pairs(self)
+    with _without(self, pairs):
+        location = accelerate.Accelerator.save_state(
+            self, output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
+        )
+    for i, (model, optimizer) in enumerate(pairs):
+        save_training_state(os.path.join(location, STATE_DIR.format(i)), model, optimizer.optimizer)
+    return location
+
+
+def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+    pairs = _rotated_pairs(self)
+    input_dir = input_dir if input_dir is not None else _latest_checkpoint(self)
+    with _without(self, pairs):
+        accelerate.Accelerator.load_state(self, input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+    for i, (model, optimizer) in enumerate(pairs):
+        load_training_state(os.path.join(input_dir, STATE_DIR.format(i)), model, optimizer.optimizer)
+
+
+def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
+    base = rotated_module(model)
+    if base is None:
+        return accelerate.Accelerator.save_model(self, model, save_directory, max_shard_size, safe_serialization)
+    if base is not self.unwrap_model(model):
+        raise IntegrationError(
+            "save_model of a PEFT model on a rotated base would write the whole base from one rank: save the "
+            "adapters with model.save_pretrained(dir) on the main process, or merge them first"
+        )
+    base.save_pretrained(save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+
+
+def _rotated_pairs(self) -> list[tuple]:
+    """(unwrapped model, its AcceleratedOptimizer) for every prepared rotated model, in preparation order."""
+    pairs = []
+    models, optimizers = prepared(self)
+    for model in models:
+        if rotated_module(model) is None:
+            continue
+        params = {id(p) for p in model.parameters()}
+        owners = [o for o in optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
+        if len(owners) != 1:
             raise IntegrationError(
-                "save_model of a PEFT model on a rotated base would write the whole base from one rank: save the "
-                "adapters with model.save_pretrained(dir) on the main process, or merge them first"
+                f"save_state/load_state need exactly one prepared optimizer per rotated model, found {len(owners)}"
             )
-        base.save_pretrained(save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        pairs.append((self.unwrap_model(model), owners[0]))
+    return pairs
 
-    def _rotated_pairs(self) -> list[tuple]:
-        """(unwrapped model, its AcceleratedOptimizer) for every prepared rotated model, in preparation order."""
-        pairs = []
-        models, optimizers = prepared(self)
-        for model in models:
-            if rotated_module(model) is None:
-                continue
-            params = {id(p) for p in model.parameters()}
-            owners = [o for o in optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
-            if len(owners) != 1:
-                raise IntegrationError(
-                    f"save_state/load_state need exactly one prepared optimizer per rotated model, found {len(owners)}"
-                )
-            pairs.append((self.unwrap_model(model), owners[0]))
-        return pairs
 
-    @contextmanager
-    def _without(self, pairs):
-        """Hide rotated models and their optimizers from accelerate's main-process save and load."""
-        models, optimizers = prepared(self)
-        inner = {id(o) for _, o in pairs}
-        rotated = [m for m in models if rotated_module(m) is not None]
-        set_prepared(self, [m for m in models if m not in rotated], [o for o in optimizers if id(o) not in inner])
-        try:
-            yield
-        finally:
-            set_prepared(self, models, optimizers)
+@contextmanager
+def _without(self, pairs):
+    """Hide rotated models and their optimizers from accelerate's main-process save and load."""
+    models, optimizers = prepared(self)
+    inner = {id(o) for _, o in pairs}
+    rotated = [m for m in models if rotated_module(m) is not None]
+    set_prepared(self, [m for m in models if m not in rotated], [o for o in optimizers if id(o) not in inner])
+    try:
+        yield
+    finally:
+        set_prepared(self, models, optimizers)
 
-    def _latest_checkpoint(self) -> str:
-        """The folder accelerate's load_state picks when given none (automatic checkpoint naming)."""
-        root = os.path.join(self.project_dir, "checkpoints")
-        if not self.project_configuration.automatic_checkpoint_naming or not os.path.isdir(root):
-            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"[0-9]+", f)[-1]))
-        return os.path.join(root, folders[-1])
+
+def _latest_checkpoint(self) -> str:
+    """The folder accelerate's load_state picks when given none (automatic checkpoint naming)."""
+    root = os.path.join(self.project_dir, "checkpoints")
+    if not self.project_configuration.automatic_checkpoint_naming or not os.path.isdir(root):
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"[0-9]+", f)[-1]))
+    return os.path.join(root, folders[-1])

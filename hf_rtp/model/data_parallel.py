@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,20 +21,23 @@ class _RotatedNames:
 
     PREFIXES = ("", "base_model.model.")
 
-    def __init__(self, module: nn.Module):
-        self.module = module
+    def __init__(self, module: nn.Module, on_read: Callable[[], None] | None = None):
+        self.module, self.on_read = module, on_read
 
     def __iter__(self):
+        if self.on_read is not None:  # who is wrapping the model (api.bind: a plain Accelerator's prepare)
+            self.on_read()
         names = [n for n, p in self.module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
         return iter([prefix + name for prefix in self.PREFIXES for name in names])
 
 
-def ignore_rotated_in_ddp(module: nn.Module) -> None:
+def ignore_rotated_in_ddp(module: nn.Module, on_read: Callable[[], None] | None = None) -> None:
     """Tell DDP (so accelerate, Trainer and TRL too) to leave rotated parameters alone: the ring reduces them.
 
     from_pretrained does this for the model it returns, so a PEFT model around it needs no call either.
+    `on_read` runs each time DDP reads the list, while it wraps the model.
     """
-    setattr(module, DDP_IGNORE_ATTRIBUTE, _RotatedNames(module))
+    setattr(module, DDP_IGNORE_ATTRIBUTE, _RotatedNames(module, on_read))
 
 
 def sync_grads(model: nn.Module) -> None:

@@ -1,5 +1,6 @@
 """accelerate: hf_rtp.Accelerator's save_state / load_state / save_model on a rotated model, against
-vanilla transformers under accelerate's DDP in the same processes; plain accelerate is refused, not wrong.
+vanilla transformers under accelerate's DDP in the same processes; a plain accelerate.Accelerator that prepares a
+rotated model gets the same methods (a script changes only its model load); one that never wrapped it refuses.
 
 The loss of each step is scaled by a random factor drawn from the global RNG, so a resume that did
 not restore every rank's RNG (or the optimizer, or the scheduler) gives other losses.
@@ -38,13 +39,16 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
 
-def _round_trip(ckpt, out, reference):
+def _round_trip(ckpt, out, reference, plain=False):
+    import accelerate
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
 
     rank = int(os.environ["RANK"])
-    accelerator = hf_rtp.Accelerator()  # cpu=True by default without CUDA: a distributed launch stays distributed
+    # hf_rtp's: cpu=True by default without CUDA, so a distributed launch stays distributed; plain accelerate's as
+    # run_clm_no_trainer.py builds it (launched with --cpu), adopted when its prepare wraps the rotated model
+    accelerator = accelerate.Accelerator(cpu=True) if plain else hf_rtp.Accelerator()
     torch.manual_seed(100 + rank)
     vanilla = _steps(
         accelerator, *_prepare(accelerator, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)), range(4)
@@ -109,6 +113,17 @@ def test_save_state_load_state_round_trip_exactly_and_reshard(tmp_path):
     assert run_on_ranks(_resume_elsewhere, 3, ckpt, out, reference) == [(epoch, 1)] * 3
 
 
+def test_a_plain_accelerator_saves_and_resumes_a_rotated_model_as_hf_rtps_does(tmp_path):
+    """run_clm_no_trainer.py's `accelerator.save_state` with `Accelerator(` left as it is: the rotated model and its
+    optimizer through hf_rtp's state (refused before, with an empty step folder left behind)."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    out, reference = str(tmp_path / "state"), str(tmp_path / "reference.safetensors")
+    vanilla, rotated, resumed, uninterrupted, _ = run_on_ranks(_round_trip, 2, ckpt, out, reference, True)[0]
+    torch.testing.assert_close(rotated, vanilla, atol=1e-5, rtol=1e-5)
+    assert resumed == uninterrupted
+    assert {"hf_rtp_state_0", "model.safetensors", "optimizer.bin"} <= set(os.listdir(out))
+
+
 def _plain_accelerate_refuses(ckpt, out):
     from accelerate import Accelerator
 
@@ -116,8 +131,13 @@ def _plain_accelerate_refuses(ckpt, out):
 
     rank = int(os.environ["RANK"])
     accelerator = Accelerator(cpu=True)
-    model, optimizer, scheduler = _prepare(accelerator, hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train())
-    _steps(accelerator, model, optimizer, scheduler, range(1))
+    # the optimizer prepared, the model not (a script that runs its model itself): accelerate never wraps the model
+    # in DDP, so hf_rtp never sees this Accelerator, and its own save_state would pickle rank 0's AdamW moments
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batch = global_batch(2)[rank]
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
     outcomes = []
     for safe in (False, True):  # pickle or safetensors: either would write rank 0's rows
         try:
@@ -131,16 +151,13 @@ def _plain_accelerate_refuses(ckpt, out):
     return rank, outcomes
 
 
-def test_plain_accelerate_refuses_to_write_one_ranks_rows(tmp_path):
+def test_plain_accelerate_that_never_wrapped_the_model_refuses_to_write_one_ranks_rows(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     outcomes = dict(run_on_ranks(_plain_accelerate_refuses, 2, ckpt, str(tmp_path / "state")))
-    pickled, safetensors = outcomes[0]
-    assert "refusing to pickle a rotated tensor" in pickled and "accelerator.save_state" in pickled
-    assert "refusing to write a rotated tensor as a whole tensor" in safetensors
-    assert outcomes[1][0] is None  # accelerate pickles on rank 0 only; rank 1 had nothing to refuse
-    assert "refusing to write a rotated tensor" in outcomes[1][1]  # its safetensors path checks on every rank
-    assert not os.path.exists(tmp_path / "state" / "True" / "model.safetensors")
-    partial = tmp_path / "state" / "False" / "pytorch_model.bin"  # torch.save had opened it: it cannot load
+    for safe in (0, 1):  # accelerate pickles the optimizer on rank 0 only, whatever safe_serialization says
+        assert "refusing to pickle a rotated tensor" in outcomes[0][safe] and "save_state" in outcomes[0][safe]
+        assert outcomes[1][safe] is None  # rank 1 had nothing to refuse
+    partial = tmp_path / "state" / "False" / "optimizer.bin"  # torch.save had opened it: it cannot load
     if partial.exists():
         with pytest.raises(RuntimeError, match="PytorchStreamReader failed"):  # torch.save stopped midway
             torch.load(partial, weights_only=True)
