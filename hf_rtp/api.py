@@ -202,7 +202,7 @@ def from_pretrained(
         bitsandbytes.step_on_rows()  # its optimizers' state of rotated rows
         torchao.step_on_rows()
     if quantized:
-        bitsandbytes.swap_modules(model, quantized, quantization)
+        bitsandbytes.swap_modules(model, quantized, quantization, stored=stored_quantization is not None)
     if fresh:
         initialise_head(model, fresh, dtype, topology.device, topology.control)
     if model.can_generate():
@@ -328,6 +328,8 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
     _attach(model, "resize_token_embeddings", resize_token_embeddings)
     if is_causal_lm(model):
         _attach(model, "generate", generate)
+    if getattr(model, "is_quantized", False):
+        _attach(model, "dequantize", _refuse_dequantize)
     # DDP reads the names to ignore while a plain Accelerator's prepare wraps the model: adopt that Accelerator
     ignore_rotated_in_ddp(model, on_read=lambda: adopt_accelerator(model))
 
@@ -351,6 +353,14 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
 def _attach(model: nn.Module, name: str, function) -> None:
     """`function` as `model`'s own method `name`, on this instance only (the class is untouched)."""
     setattr(model, name, types.MethodType(function, model))
+
+
+def _refuse_dequantize(model, *args, **kwargs):
+    raise RotatedStateError(
+        "dequantize() of a rotated 4-bit or 8-bit base is not supported: transformers' dequantize replaces "
+        "bitsandbytes' own modules, and each rank holds only its rows of hf_rtp's. Load the checkpoint without "
+        "quantization_config for float weights, or train adapters on the quantized base"
+    )
 
 
 def _refuse_compile(model, *args, **kwargs):

@@ -180,9 +180,17 @@ def finish(
         )
 
 
-def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config) -> None:
+def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config, stored: bool = False) -> None:
     """After install: each chosen rotated linear becomes its 4-bit (8-bit) kind; the model says it is loaded in 4
-    (8) bits, as vanilla's does (PEFT's prepare_model_for_kbit_training reads it)."""
+    (8) bits and quantized, as vanilla's does: PEFT's prepare_model_for_kbit_training and TRL read
+    `is_loaded_in_4bit`, Trainer refuses to train a quantized base without adapters by `is_quantized` and
+    `hf_quantizer` (transformers' own quantizer object for this config, as vanilla holds it).
+
+    `quantization_method` is left unset: Trainer would then not move the model to its device in __init__,
+    which is where hf_rtp attaches to it (integrations/trainer.py); vanilla skips that move because bitsandbytes'
+    parameters cannot move, hf_rtp's rows can. `model.dequantize()` is refused by name (api.bind)."""
+    from transformers.quantizers import AutoHfQuantizer
+
     for name, spec in chosen.items():
         source = cast(RotatedLinear, model.get_submodule(name))
         kind = (
@@ -195,6 +203,8 @@ def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config) -
         model.is_loaded_in_8bit = True
     else:
         model.is_loaded_in_4bit = True
+    model.is_quantized = True
+    model.hf_quantizer = AutoHfQuantizer.from_config(config, pre_quantized=stored)
     model.config.quantization_config = config
 
 

@@ -162,3 +162,19 @@ def take_vanilla_grads(model, ref: dict, world: int, rank: int, names=None) -> N
         want = ref[name].grad[rows(p, world, rank)] if isinstance(p, DTensor) else ref[name].grad
         torch.testing.assert_close(mine, want, atol=1e-6, rtol=1e-4)
         mine.copy_(want)
+
+
+def vanilla_training_path(model):
+    """`model` (vanilla transformers + bitsandbytes) computing its 4-bit linears as it does in training and on a
+    GPU, whatever this CPU's flags; returns it.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50's `Linear4bit.forward` in eval mode, with an input that needs
+    no grad (a model fresh from from_pretrained is in eval mode; under LoRA the first layer's input needs no
+    grad), repacks its weight (`_convert_weight_packed_for_cpu`) and from then on runs a bf16 kernel with no
+    autograd (`support_avx512bf16_for_cpu`): logits ~5e-3 off the float32 path, and later LoRA gradients None.
+    On a CPU without it, and on every GPU, that path does not exist. hf_rtp always computes bitsandbytes'
+    general path (layers/linear4bit.py), so the baseline is that path on every machine of this kind."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
