@@ -15,6 +15,7 @@ model's ranks disagree.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -50,11 +51,25 @@ def check_processes(
 
 
 def check_accelerate_state(world_size: int) -> None:
-    """from_pretrained after an Accelerator was built: its state must see every rank."""
+    """from_pretrained after an Accelerator (or TrainingArguments, which builds accelerate's state) was built: its
+    state must see every rank. The fix is named in the caller's words: a script that uses TrainingArguments passes
+    `use_cpu=True` there (it cannot pass `Accelerator(cpu=True)`); an accelerate loop builds `Accelerator(cpu=True)`."""
     from accelerate.state import PartialState
 
     if world_size > 1 and state_exists():
-        check_processes(PartialState().num_processes, world_size)
+        processes = PartialState().num_processes
+        if processes != world_size and _training_arguments_exist():
+            fix = "pass TrainingArguments(use_cpu=True) (--use_cpu on an example script's command line)"
+            check_processes(processes, world_size, "TrainingArguments' accelerate state", fix)
+        check_processes(processes, world_size)
+
+
+def _training_arguments_exist() -> bool:
+    """Whether this process holds a TrainingArguments (which builds accelerate's state): only asked on the way to
+    an error, so a walk over the garbage collector's objects is affordable."""
+    module = sys.modules.get("transformers.training_args")
+    cls = getattr(module, "TrainingArguments", None)
+    return cls is not None and any(isinstance(o, cls) for o in gc.get_objects())
 
 
 class Accelerator(accelerate.Accelerator):

@@ -223,8 +223,12 @@ def _trainer_without_use_cpu(ckpt):
 
     model = hf_rtp.from_pretrained(ckpt)
     args = TrainingArguments(output_dir=os.path.join(os.path.dirname(ckpt), "out"), report_to=[])  # no use_cpu=True
-    with pytest.raises(hf_rtp.TopologyError, match=r"Trainer runs 1 process\(es\).*use_cpu=True"):
+    with pytest.raises(hf_rtp.TopologyError, match=r"Trainer runs 1 process\(es\).*use_cpu=True") as refused:
         Trainer(model=model, args=args)  # fails at construction, before any step trains the wrong thing
+    # the arguments parsed first, as the example scripts do: the load fails, in a Trainer user's words
+    with pytest.raises(hf_rtp.TopologyError, match=r"TrainingArguments' .* 1 process\(es\).*use_cpu=True") as early:
+        hf_rtp.from_pretrained(ckpt)
+    assert "Accelerator(cpu=True)" not in str(refused.value) + str(early.value)  # which a Trainer user cannot pass
     return args.world_size
 
 
