@@ -70,6 +70,30 @@ class Source:
             yield name, piece, (row, row + 1), slice(offset, offset + piece[0])
 
 
+@dataclass(frozen=True)
+class Transposed(Source):
+    """A parameter stored transposed: a GPT-2 Conv1D weight [in, out] that becomes a linear's [out, in], as
+    vanilla's bitsandbytes quantizes it (integrations/bitsandbytes.py). A rank's rows are columns of the stored
+    tensor, which no byte range holds: it reads the stored rows in bands of about `BAND_BYTES` and keeps its
+    columns of each, so it holds at most one band besides its own rows."""
+
+    BAND_BYTES = 16 << 20
+
+    def read(self, entries: dict[str, TensorEntry], rows: tuple[int, int] | None) -> torch.Tensor:
+        entry = entries[self.pieces[0][0]]
+        inner, outer = entry.shape
+        start, end = rows or (0, outer)
+        out = torch.empty((end - start, inner), dtype=entry.dtype)
+        step = max(1, self.BAND_BYTES // max(entry.row_bytes, 1))
+        for first in range(0, inner, step):
+            last = min(inner, first + step)
+            out[:, first:last] = read_rows(entry, first, last)[:, start:end].t()
+        return out
+
+    def stored_parts(self, shape: torch.Size):
+        raise CheckpointError(f"{self.names[0]} was read transposed (a quantized Conv1D), which hf_rtp does not save")
+
+
 def own(name: str, shape: torch.Size) -> Source:
     """A parameter stored under its own name."""
     return Source([(name, shape)])

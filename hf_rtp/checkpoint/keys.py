@@ -18,7 +18,7 @@ from ..distributed.topology import Topology
 from ..log import warning
 from ..model.ties import tie_targets
 from ..plans import Resolution
-from .conversion import Source, own, stored_sources
+from .conversion import Source, Transposed, own, stored_sources
 from .safetensors_io import TensorEntry, read_rows
 
 
@@ -86,5 +86,9 @@ def wants_for(
         if topology.rtp_size > 1 and name in resolution.rotated_params:
             rows = chunk_rows(param.shape[0], topology.rtp_size, topology.rtp_rank)
         # a name no stored tensor provides reads under its own name, which reports it missing
-        wants[name] = Want(param.shape, rows, sources.get(name) or own(name, param.shape))
+        source = sources.get(name) or own(name, param.shape)
+        if name in resolution.transposed and source.names[0] in entries:
+            stored = source.names[0]
+            source = Transposed([(stored, entries[stored].shape)], saved_names=source.saved_names)
+        wants[name] = Want(param.shape, rows, source)
     return wants, {name: want.source for name, want in wants.items()}

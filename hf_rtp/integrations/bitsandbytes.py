@@ -112,7 +112,7 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
     )
     chosen: dict[str, Quant4bit | Quant8bit] = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         if not (type(module) is nn.Linear or isinstance(module, Conv1D)) or not should_convert_module(name, kept):
             continue
         if module is head:  # transformers skips it by default, but not once llm_int8_skip_modules is given
@@ -121,6 +121,8 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
                 f"({name}) to be quantized, which hf_rtp does not do (its loss runs on the rotated head): add "
                 f"{name!r} to llm_int8_skip_modules"
             )
+        if isinstance(module, Conv1D) and resolution.rotated.get(name) == "conv1d":
+            module = _linear_for(model, name, module, resolution)
         if resolution.rotated.get(name) != "linear":
             raise KeywordError(
                 f"quantization_config: transformers would quantize {name} ({type(module).__name__}), which this "
@@ -134,10 +136,22 @@ def select(model: Any, resolution, config, dtype: torch.dtype, rtp_size: int) ->
                 "Add it to llm_int8_skip_modules"
             )
         chosen[name] = spec
-        if module.bias is not None:
+        if module.bias is not None and f"{name}.bias" not in resolution.replicated:
             resolution.rotated_params.discard(f"{name}.bias")
             resolution.replicated.append(f"{name}.bias")
     return chosen
+
+
+def _linear_for(model: Any, name: str, conv: Any, resolution) -> nn.Linear:
+    """What vanilla's bitsandbytes makes of a GPT-2 Conv1D: a linear of its transposed weight (Linear4bit(nx, nf),
+    the stored [in, out] weight quantized as [out, in]), so it rotates by output rows like any quantized linear;
+    its weight is read transposed (checkpoint/conversion.py's Transposed), its bias is the linear's."""
+    with torch.device("meta"):
+        linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, dtype=conv.weight.dtype)
+    model.set_submodule(name, linear)
+    resolution.rotated[name] = "linear"
+    resolution.transposed.add(f"{name}.weight")  # its bias stays replicated, as every quantized linear's (select)
+    return linear
 
 
 def quantizers(chosen: dict[str, Quant4bit | Quant8bit]) -> dict:

@@ -82,6 +82,9 @@ class Resolution:
     """parameter names cut along dim 0"""
     replicated: list[str]
     """parameter names"""
+    transposed: set[str] = field(default_factory=set)
+    """parameter names stored transposed: a GPT-2 Conv1D weight [in, out] loaded as a linear's [out, in], as
+    vanilla's bitsandbytes quantizes it (integrations/bitsandbytes.py)"""
 
 
 def _listing(names: list[str], limit: int = 8) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.models import make_tiny
 from support.spawn import run_on_ranks
-from test_qlora import WIDE, assert_like_vanilla, beside_vanilla, saved_quantized
+from test_qlora import GPT2_WIDE, WIDE, assert_like_vanilla, beside_vanilla, saved_quantized
 
 pytest.importorskip("bitsandbytes")
 
@@ -72,3 +72,11 @@ def test_a_checkpoint_vanilla_saved_in_8bit_loads_as_each_ranks_rows(tmp_path):
     saved = saved_quantized(make_tiny("llama", tmp_path / "ckpt", **WIDE), tmp_path / "saved", _config(1.0))
     for rank, (stored, logits, losses, grads) in enumerate(run_on_ranks(_compare, 3, saved, 1.0, True)):
         assert_like_vanilla(rank, stored, logits, losses, grads)
+
+
+def test_gpt2_conv1d_layers_rotate_in_8_bits_as_vanilla_quantizes_them(tmp_path):
+    """LLM.int8() of GPT-2: vanilla's Linear8bitLt of each Conv1D's transposed weight, each rank's rows from its
+    columns of the stored weight."""
+    ckpt = make_tiny("gpt2", tmp_path / "ckpt", **GPT2_WIDE)
+    for rank, (stored, logits, losses, grads) in enumerate(run_on_ranks(_compare, 3, ckpt, 1.0)):
+        assert_like_vanilla(rank, stored, logits, losses, grads, quantized=8, adapted=8)

@@ -19,6 +19,10 @@ pytest.importorskip("bitsandbytes")
 # widths that are multiples of bitsandbytes' 64-element blocks, as real models' are
 WIDE = dict(hidden_size=64, intermediate_size=128, head_dim=16)
 TARGETS = ["q_proj", "v_proj", "down_proj"]
+# GPT-2's Conv1D layers, which vanilla's bitsandbytes quantizes as linears of their transposed weights: c_attn
+# (192 rows: 64 per rank at 3), both c_proj and c_fc (256 rows: uneven at 3)
+GPT2_WIDE = dict(n_embd=64)
+GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
 
 
 def _bnb(quant_type="nf4", double=False, compute=torch.float32):
@@ -37,7 +41,8 @@ def _adapters(model):
 
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=TARGETS)
+    targets = GPT2_TARGETS if model.config.model_type == "gpt2" else TARGETS
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
     return get_peft_model(model, config)
 
 
@@ -106,13 +111,13 @@ def beside_vanilla(model, vanilla):
     return model, (logits[0] - logits[1]).abs().max().item(), losses, trainable_grad_gaps(model, vanilla)
 
 
-def assert_like_vanilla(rank, stored, logits, losses, grads):
-    """Every quantized weight's bytes vanilla's (7 per layer), logits and loss within float32 rounding, every LoRA
-    gradient (6 A and 6 B) up to summation order."""
-    assert len(stored) == 14 and all(a and b for a, b in stored.values()), (rank, stored)
+def assert_like_vanilla(rank, stored, logits, losses, grads, quantized=14, adapted=6):
+    """Every quantized weight's bytes vanilla's (Llama: 7 per layer), logits and loss within float32 rounding,
+    every LoRA gradient (Llama: 6 A and 6 B) up to summation order."""
+    assert len(stored) == quantized and all(a and b for a, b in stored.values()), (rank, stored)
     assert logits < 1e-5, (rank, logits)
     assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
-    assert sum("lora_A" in n for n in grads) == 6 and sum("lora_B" in n for n in grads) == 6
+    assert sum("lora_A" in n for n in grads) == adapted and sum("lora_B" in n for n in grads) == adapted
     for name, (difference, scale) in grads.items():
         assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
 
@@ -124,6 +129,20 @@ def test_a_4bit_base_rotates_with_vanillas_bytes_logits_and_lora_gradients(tmp_p
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
     for rank, (stored, logits, losses, grads, _) in enumerate(run_on_ranks(_compare, world, ckpt, quant_type, double)):
         assert_like_vanilla(rank, stored, logits, losses, grads)
+
+
+@pytest.mark.parametrize(("world", "saved"), [(3, False), (2, True)])
+def test_gpt2_conv1d_layers_rotate_quantized_as_vanilla_quantizes_them(tmp_path, world, saved):
+    """Vanilla's bitsandbytes makes each GPT-2 Conv1D a Linear4bit of its transposed weight: each rank reads its
+    columns of the stored [in, out] weight as rows, and gets vanilla's packed bytes; or reads a checkpoint vanilla
+    saved quantized (stored [out, in] already)."""
+    ckpt = make_tiny("gpt2", tmp_path / "ckpt", **GPT2_WIDE)
+    if saved:
+        ckpt = saved_quantized(ckpt, tmp_path / "saved", _bnb("nf4", True))
+    for rank, (stored, logits, losses, grads, _) in enumerate(
+        run_on_ranks(_compare, world, ckpt, "nf4", True, torch.float32, saved)
+    ):
+        assert_like_vanilla(rank, stored, logits, losses, grads, quantized=8, adapted=8)  # 4 Conv1D per block
 
 
 def saved_quantized(ckpt, out, config):

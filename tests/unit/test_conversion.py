@@ -72,3 +72,19 @@ def test_renames_and_prefixes_and_what_saving_writes(tmp_path):
     assert sources["transformer.h.0.attn.c_attn.weight"].names == ["h.0.attn.c_attn.weight"]
     # vanilla save_pretrained writes the model's own names back, prefix included
     assert next(sources["transformer.wte.weight"].stored_parts(torch.Size([101, 32])))[0] == "transformer.wte.weight"
+
+
+def test_a_transposed_weight_reads_this_ranks_columns_as_rows_band_by_band(tmp_path, monkeypatch):
+    """A GPT-2 Conv1D weight [in, out] quantized as vanilla's bitsandbytes does: rows of its transpose, read from
+    bands of stored rows; a band smaller than the tensor (here 3 rows of 7) cuts the read into pieces."""
+    from hf_rtp.checkpoint.conversion import Transposed
+
+    weight = torch.randn(7, 10)
+    entries = _stored(tmp_path, {"c_fc.weight": weight})
+    monkeypatch.setattr(Transposed, "BAND_BYTES", 3 * 10 * 4)
+    source = Transposed([("c_fc.weight", torch.Size((7, 10)))])
+    for rows in ((0, 4), (4, 7), (7, 10), None):
+        expected = weight.t()[slice(*rows)] if rows else weight.t()
+        assert torch.equal(source.read(entries, rows), expected), rows
+    with pytest.raises(CheckpointError, match="read transposed"):
+        list(source.stored_parts(torch.Size((10, 7))))
