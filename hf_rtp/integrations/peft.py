@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import log
 from ..distributed.rotated import RotatedTensor, rows_of, whole
-from ..errors import RotatedStateError
+from ..errors import IntegrationError, RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from ..layers.linear4bit import FrozenQuantizedLinear
@@ -135,6 +135,7 @@ def make_peft_use_global_features() -> None:
         if name.startswith("peft.") and getattr(module, "_get_in_out_features", None) is original:
             setattr(module, "_get_in_out_features", get_in_out_features)  # noqa: B010 (a module's global)
     _stand_in_for_dora_norm()
+    _refuse_dora_on_a_quantized_base()
     _stand_in_for_dora_forward()
     _stand_in_for_trainable_tokens()
     _refuse_merges_peft_gets_wrong()
@@ -154,6 +155,30 @@ def _stand_in_for_dora_norm() -> None:
 
     setattr(get_weight_norm, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm")
     DoraLinearLayer.get_weight_norm = get_weight_norm  # the stand-in, see above
+
+
+def _refuse_dora_on_a_quantized_base() -> None:
+    """QDoRA (`use_dora=True` over a 4-bit or 8-bit base): PEFT reads DoRA's weight norm from
+    `dequantize_module_weight`, which knows bitsandbytes' parameter classes, not hf_rtp's packed rows, and would
+    take the norm of the packed bytes. Refused by name where PEFT builds the layer, before any step."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    original = DoraLinearLayer.update_layer
+    if getattr(original, _MARK, None) is not None:
+        return
+
+    @functools.wraps(original)
+    def update_layer(self, *, base_layer, **kwargs):
+        if isinstance(base_layer, FrozenQuantizedLinear):
+            raise IntegrationError(
+                f"LoraConfig(use_dora=True) on a 4-bit or 8-bit base (QDoRA) is not supported by hf_rtp yet: "
+                f"DoRA's weight norm would be taken over the packed bytes of {type(base_layer).__name__}. Use "
+                "LoRA (use_dora=False) on the quantized base, or DoRA on an unquantized rotated base"
+            )
+        return original(self, base_layer=base_layer, **kwargs)
+
+    setattr(update_layer, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.update_layer")
+    DoraLinearLayer.update_layer = update_layer  # the stand-in, see above
 
 
 def _stand_in_for_dora_forward() -> None:

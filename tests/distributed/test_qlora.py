@@ -221,15 +221,22 @@ def _quantized_base_alone(ckpt, out):
         model.dequantize()
     except hf_rtp.RotatedStateError as err:
         answers["dequantize"] = str(err)
+    from peft import LoraConfig, get_peft_model
+
+    try:  # QDoRA: PEFT would take DoRA's weight norm over the packed bytes
+        get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=TARGETS))
+    except hf_rtp.IntegrationError as err:
+        answers["qdora"] = str(err)
     return answers
 
 
-def test_a_quantized_base_without_adapters_is_refused_by_trainer_as_vanilla_and_dequantize_by_name(tmp_path):
+def test_a_quantized_base_without_adapters_is_refused_by_trainer_as_vanilla_dequantize_and_qdora_by_name(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
     for answers in run_on_ranks(_quantized_base_alone, 2, ckpt, str(tmp_path / "out")):
         assert answers["vanilla"] is not None and "purely quantized models" in answers["vanilla"]
         assert answers["rotated"] == answers["vanilla"]  # at construction, before any step trains the norms
         assert "dequantize() of a rotated 4-bit or 8-bit base is not supported" in answers["dequantize"]
+        assert "use_dora=True) on a 4-bit or 8-bit base (QDoRA) is not supported" in answers["qdora"]
 
 
 def _sft(model, out, max_steps=4, resume=None):
