@@ -97,7 +97,7 @@ def _attach(trainer, model):
     _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))
-    trl.adopt(trainer)  # SFTTrainer's fused LM head, installed after this __init__ step, through the ring
+    trl.adopt(trainer, rotated_module(model))  # SFTTrainer's fused LM head, installed after this __init__ step
     trl.replace_installed_head(rotated_module(model))  # or installed already, by a Trainer attached late
     trainer.__dict__[_ATTACHED] = True
     return trainer

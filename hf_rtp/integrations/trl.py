@@ -37,6 +37,7 @@ from ..errors import IntegrationError
 from ..layers.common import local
 from ..model.fused_head import read_head, token_losses
 from ..model.state import is_rotated, state_of
+from ..private.transformers_names import attention_implementation
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks for
 _ORIGINAL = "_hf_rtp_original"
@@ -47,9 +48,11 @@ _PARAMETERS = {  # the TRL 1.16 signatures of what hf_rtp stands in for
 }
 
 
-def adopt(trainer) -> None:
+def adopt(trainer, model=None) -> None:
     """Route `add_fused_lm_head` and `create_model_from_path` of every TRL module in `trainer`'s class
-    hierarchy through hf_rtp."""
+    hierarchy through hf_rtp; first, refuse a rotated `model` other than the one the trainer was asked to build."""
+    if model is not None:
+        check_model_keywords(trainer, model)
     _warn_whole_reward_models(trainer)
     _warn_whole_references(trainer)
     modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
@@ -77,6 +80,75 @@ def adopt(trainer) -> None:
                 routed = functools.wraps(original)(functools.partial(replacement, original=original))
                 setattr(routed, _ORIGINAL, original)
                 setattr(module, name, routed)
+
+
+_ONE_LINE = (
+    "model=hf_rtp.from_pretrained(model_args.model_name_or_path, **training_args.model_init_kwargs, "
+    "quantization_config=get_quantization_config(model_args))"
+)
+
+
+def check_model_keywords(trainer, model) -> None:
+    """A TRL trainer builds its model from a path with `args.model_init_kwargs` and its `quantization_config=`;
+    handed a loaded model, TRL only warns that it ignores them. With hf_rtp the script hands it the rotated model
+    (TRL's scripts pass a path: the one line changed), so a keyword left out of hf_rtp.from_pretrained would train
+    another base than the script asked for (an unquantized one, in another dtype or attention) with no error.
+    Refused here, naming each keyword, at the trainer's construction."""
+    asked = dict(getattr(getattr(trainer, "args", None), "model_init_kwargs", None) or {})
+    given = _init_argument(trainer, "quantization_config")
+    if given is not None:
+        asked["quantization_config"] = given
+    config = model.config
+    problems = []
+    dtype = asked.get("dtype", asked.get("torch_dtype"))
+    if dtype is not None and dtype != "auto":
+        wanted = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
+        if wanted != getattr(config, "dtype", None):
+            problems.append(f"dtype={dtype!r} (the model holds {getattr(config, 'dtype', None)})")
+    attention = asked.get("attn_implementation")
+    if attention is not None and attention != attention_implementation(config):
+        problems.append(f"attn_implementation={attention!r} (the model runs {attention_implementation(config)!r})")
+    wanted_quantization = _quantization(asked.get("quantization_config"))
+    held = _quantization(
+        getattr(config, "quantization_config", None) if getattr(model, "is_quantized", False) else None
+    )
+    if wanted_quantization is not None and wanted_quantization != held:
+        problems.append(f"quantization_config={_described(wanted_quantization)} (the model is {_described(held)})")
+    if problems:
+        raise IntegrationError(
+            f"{type(trainer).__name__} was asked for a model built with {'; '.join(problems)}, and given a model "
+            "hf_rtp loaded otherwise. TRL applies those keywords only when it loads the model from a path, so it "
+            "would train another base than the script asks for. Pass them all to hf_rtp.from_pretrained, as in "
+            f"TRL's scripts: {_ONE_LINE}"
+        )
+
+
+def _init_argument(trainer, name: str, depth: int = 48):
+    """The value of `name` in the __init__ of `trainer` that is on the stack (TRL's trainers take
+    `quantization_config=` there and keep it nowhere), or None."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is trainer and name in frame.f_locals:
+            return frame.f_locals[name]
+        frame = frame.f_back
+    return None
+
+
+def _quantization(config) -> dict | None:
+    """A quantization config as the settings that make the base (a dict, or a BitsAndBytesConfig)."""
+    if config is None:
+        return None
+    found = config if isinstance(config, dict) else config.to_dict()
+    return {k: str(getattr(v, "value", v)) for k, v in found.items() if not k.startswith("_")}  # enums by value
+
+
+def _described(settings: dict | None) -> str:
+    if settings is None:
+        return "not quantized"
+    keys = ("quant_method", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+    return "{" + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings) + "}"
 
 
 def create_model_from_path(model_id, architecture=None, *, original, **kwargs):

@@ -1,0 +1,114 @@
+"""TRL's own `trl/scripts/sft.py`, as the installed TRL ships it, at 2 CPU ranks with `--load_in_4bit --use_peft`
+(QLoRA): once as shipped, and once copied with its model line changed to hf_rtp's one line (docs/integrations.md),
+which carries every model keyword the script builds. Losses equal vanilla's; the adapter loads onto vanilla's own
+4-bit base with the logits of the vanilla run's adapter. The repository holds no copy of TRL's script.
+
+Left out of hf_rtp.from_pretrained, the quantization config would leave a silently different (unquantized) base:
+that line is refused by name at the trainer's construction (the third launch).
+
+No evaluation: on a CPU with AVX512-BF16, vanilla bitsandbytes' eval forward repacks its 4-bit weights for a bf16
+kernel that then also runs in training (tests/support/compare.py, vanilla_training_path)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from support.models import global_batch, make_tiny, tiny_tokenizer
+from support.recipes import ENV, torchrun
+from support.spawn import finish_launchers, free_port
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("bitsandbytes")
+
+SHIPPED = "        model=model_args.model_name_or_path,\n"
+ONE_LINE = (
+    "        model=hf_rtp.from_pretrained(model_args.model_name_or_path, **training_args.model_init_kwargs, "
+    "quantization_config=get_quantization_config(model_args)),\n"
+)
+FORGOTTEN = "        model=hf_rtp.from_pretrained(model_args.model_name_or_path, **training_args.model_init_kwargs),\n"
+STEPS = 4
+
+
+def _script(folder, model_line):
+    """TRL's sft.py, copied into `folder`, with its model line (and an import) changed; or as shipped."""
+    shipped = os.path.join(os.path.dirname(trl.__file__), "scripts", "sft.py")
+    with open(shipped) as f:
+        text = f.read()
+    assert text.count(SHIPPED) == 1, "TRL's sft.py no longer passes model=model_args.model_name_or_path"
+    if model_line is not None:
+        text = text.replace(SHIPPED, model_line).replace(
+            "    import transformers\n", "    import hf_rtp\n    import transformers\n", 1
+        )
+    os.makedirs(folder)
+    path = os.path.join(folder, "sft.py")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _data(folder):
+    """A text dataset in a local folder, as `--dataset_name` loads it offline."""
+    os.makedirs(folder)
+    rows = global_batch(32, seq=24, seed=7).reshape(-1, 24).tolist()
+    with open(os.path.join(folder, "train.jsonl"), "w") as f:
+        for ids in rows:
+            f.write(json.dumps({"text": " ".join(f"t{i}" for i in ids)}) + "\n")
+    return folder
+
+
+def _launch(script, ckpt, data, out):
+    command = [*torchrun(2), "--master_port", str(free_port()), script, "--model_name_or_path", ckpt,
+               "--dataset_name", data, "--output_dir", out, "--use_cpu", "--report_to", "none",
+               "--logging_steps", "1", "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
+               "--max_length", "24", "--learning_rate", "1e-3", "--seed", "0", "--save_steps", str(STEPS),
+               "--use_peft", "--load_in_4bit", "--lora_r", "4", "--lora_target_modules", "all-linear"]  # fmt: skip
+    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)  # fmt: skip
+
+
+def _losses(out):
+    with open(os.path.join(out, f"checkpoint-{STEPS}", "trainer_state.json")) as f:
+        return [e["loss"] for e in json.load(f)["log_history"] if "loss" in e]
+
+
+def _served(base_ckpt, adapter):
+    """Logits of `adapter` on vanilla's own 4-bit base (vanilla's training path, compare.py)."""
+    from peft import PeftModel
+    from support.compare import vanilla_training_path
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base = AutoModelForCausalLM.from_pretrained(
+        base_ckpt, dtype=torch.float32, quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+                                                                            bnb_4bit_compute_dtype=torch.float32)
+    )  # fmt: skip
+    model = PeftModel.from_pretrained(vanilla_training_path(base), adapter).eval()
+    with torch.no_grad():
+        return model(input_ids=global_batch(1, seq=12)[0]).logits
+
+
+def test_trl_sft_script_qlora_with_hf_rtps_one_line_is_vanillas_and_a_forgotten_keyword_is_refused(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt", hidden_size=64, intermediate_size=128, head_dim=16)
+    tiny_tokenizer().save_pretrained(ckpt)  # sft.py loads the processing class from the model's folder
+    data = _data(str(tmp_path / "data"))
+    runs = {"vanilla": None, "rtp": ONE_LINE, "forgotten": FORGOTTEN}
+    outputs = {}
+    for name, line in runs.items():  # one at a time: two launches of 2 ranks on CI's two cores
+        proc = _launch(_script(str(tmp_path / name), line), ckpt, data, str(tmp_path / f"out-{name}"))
+        (output,) = finish_launchers([proc], timeout=300)
+        outputs[name] = (proc.returncode, f"{name}:\n{output}")
+    for name in ("vanilla", "rtp"):
+        assert outputs[name][0] == 0, outputs[name][1][-6000:]
+    vanilla, rotated = _losses(str(tmp_path / "out-vanilla")), _losses(str(tmp_path / "out-rtp"))
+    assert len(rotated) == STEPS and rotated[0] == pytest.approx(vanilla[0], abs=1e-5)
+    # TRL keeps QLoRA adapters in bf16: a bf16 rounding of the ring's summation order can move a later step
+    assert rotated == pytest.approx(vanilla, abs=2e-3), (rotated, vanilla)
+    served = [_served(ckpt, str(tmp_path / f"out-{name}")) for name in ("vanilla", "rtp")]
+    assert (served[0] - served[1]).abs().max() < 2e-2
+    code, output = outputs["forgotten"]
+    assert code != 0 and "IntegrationError" in output, output[-4000:]
+    assert "quantization_config={quant_method=bitsandbytes, load_in_4bit=True" in output, output[-4000:]
+    assert "(the model is not quantized)" in output and "hf_rtp.from_pretrained(model_args" in output
+    shutil.rmtree(tmp_path / "out-forgotten", ignore_errors=True)
