@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 import stat
 import types
 from datetime import timedelta
@@ -43,6 +44,7 @@ from .model.state import ATTRIBUTE, RTPState
 from .model.ties import tie_targets
 from .model.vocabulary import resize_token_embeddings
 from .plans.auto import auto_plan
+from .private.transformers_names import float32_patterns
 from .settings import DEFAULT_PIECE_SIZE, Settings
 
 
@@ -170,6 +172,7 @@ def from_pretrained(
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed for real
         model = auto_class.from_config(config, dtype=dtype)
+    _keep_float32(model, dtype)
     untie_stored_apart(model, entries, topology)
     plan = _choose_plan(plan, model)
     resolution = plan.resolve(model)
@@ -444,6 +447,16 @@ def _refuse_remote_code(directory: str, options: keywords.LoadOptions, auto_clas
             "vanilla would run. hf_rtp rotates transformers' own model classes only; a checkpoint of a built-in "
             "architecture loads with trust_remote_code=True as in vanilla"
         )
+
+
+def _keep_float32(model, dtype: torch.dtype) -> None:
+    """The parameters vanilla's load keeps in float32 (a class's `_keep_in_fp32_modules(_strict)`, e.g.
+    DeepSeek-V3's router) made float32 in the empty model; each parameter is then read in its own dtype
+    (checkpoint/load.py), which also keeps a class's explicit dtypes (a router created float32), as vanilla's."""
+    patterns = [re.compile(p.replace("*", ".*")) for p in float32_patterns(model, dtype)]
+    for name, param in model.named_parameters():
+        if any(p.search(name) for p in patterns):
+            param.data = param.data.to(torch.float32)
 
 
 def _stored_dtype(entries) -> torch.dtype:

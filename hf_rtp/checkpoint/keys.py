@@ -70,6 +70,8 @@ class Want:
     rows: tuple[int, int] | None
     """this rank's dim-0 range, or None for the whole tensor"""
     source: Source
+    dtype: torch.dtype | None = None
+    """the dtype the model keeps it in (a float32 router in a bfloat16 model, as vanilla's load keeps it)"""
 
 
 def wants_for(
@@ -90,5 +92,5 @@ def wants_for(
         if name in resolution.transposed and source.names[0] in entries:
             stored = source.names[0]
             source = Transposed([(stored, entries[stored].shape)], saved_names=source.saved_names)
-        wants[name] = Want(param.shape, rows, source)
+        wants[name] = Want(param.shape, rows, source, param.dtype if param.is_floating_point() else None)
     return wants, {name: want.source for name, want in wants.items()}

@@ -81,8 +81,9 @@ def read_local(
             tensor = wants[name].source.read(entries, wants[name].rows)
             if compare and wants[name].rows is None:
                 digests[name] = tensor_digest(tensor)
-            if tensor.is_floating_point() and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
+            wanted = wants[name].dtype or dtype
+            if tensor.is_floating_point() and tensor.dtype != wanted:
+                tensor = tensor.to(wanted)
             out[name] = tensor.to(device)
             if transforms and name in transforms:
                 out[name] = transforms[name](out[name])

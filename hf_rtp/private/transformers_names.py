@@ -59,6 +59,21 @@ def set_attention_implementation(config: Any, name: str) -> None:
     config._attn_implementation = name
 
 
+def float32_patterns(model: Any, dtype: Any) -> list[str]:
+    """The parameter patterns vanilla's from_pretrained keeps in float32 when loading in `dtype`
+    (`PreTrainedModel._get_dtype_plan`'s rule): `_keep_in_fp32_modules` under float16, `_keep_in_fp32_modules_strict`
+    under float16 and bfloat16; each matched as vanilla matches it, `*` any text, anywhere in the name."""
+    import torch
+
+    patterns = []
+    if dtype == torch.float16:
+        patterns += list(keep_in_fp32_modules(model) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        _get(type(model), "_keep_in_fp32_modules_strict")
+        patterns += list(model._keep_in_fp32_modules_strict or ())
+    return patterns
+
+
 def no_split_modules(model: Any) -> tuple[str, ...]:
     """The module classes transformers never splits across devices (LlamaDecoderLayer, GPT2Block, ...)."""
     return tuple(getattr(model, "_no_split_modules", None) or ())

@@ -76,7 +76,7 @@ def test_whatever_the_safetensors_library_refuses_is_refused(tmp_path, offsets):
 
 def test_a_misspelt_fault_point_is_an_error_naming_the_points(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_RTP_FAULT", "kill@save.comit")
-    with pytest.raises(hf_rtp.TopologyError, match=r"names no fault point 'save.comit'; the points are .*save.commit,"):
+    with pytest.raises(hf_rtp.SettingError, match=r"names no fault point 'save.comit'; the points are .*save.commit,"):
         hf_rtp.from_pretrained(str(tmp_path / "checked-before-it-is-read"))
 
 
