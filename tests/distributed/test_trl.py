@@ -76,15 +76,41 @@ def _compare(ckpt, out, lora):
     vanilla = _sft(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "vanilla"), lora)
     torch.manual_seed(0)
     rotated = _sft(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"), lora)
-    return vanilla, rotated
+    return vanilla, rotated, _asked_for_another_base(ckpt, out) if not lora else None
+
+
+def _asked_for_another_base(ckpt, out):
+    """TRL's scripts hand SFTTrainer model_init_kwargs and quantization_config= for a model it builds from a path;
+    given a loaded model, TRL only warns that it ignores them. A rotated model loaded without them is refused."""
+    from datasets import Dataset
+    from transformers import BitsAndBytesConfig
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_rtp
+
+    config = SFTConfig(output_dir=os.path.join(out, "asked"), use_cpu=True, report_to=[], bf16=False,
+                       model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "eager"})  # fmt: skip
+    with pytest.raises(hf_rtp.IntegrationError) as refused:
+        SFTTrainer(
+            model=hf_rtp.from_pretrained(ckpt, dtype=torch.float32),
+            args=config,
+            train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3]]}),
+            processing_class=tiny_tokenizer(),
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        )
+    return str(refused.value)
 
 
 @pytest.mark.parametrize("lora", [False, True, "modules_to_save"], ids=["full", "peft", "peft-modules-to-save"])
 def test_sft_trainer_matches_vanilla_ddp_in_losses_and_every_gradient(tmp_path, lora):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    (vanilla_logged, vanilla_grads, vanilla_head), (logged, grads, head) = run_on_ranks(
+    (vanilla_logged, vanilla_grads, vanilla_head), (logged, grads, head), refused = run_on_ranks(
         _compare, 2, ckpt, str(tmp_path), lora
     )[0]
+    if not lora:  # every keyword named, and the line that carries them
+        for asked in ("dtype='bfloat16'", "attn_implementation='eager'", "quantization_config={quant_method="):
+            assert asked in refused, refused
+        assert "**training_args.model_init_kwargs, quantization_config=get_quantization_config" in refused
     # the rotated model's per-token log-probs, entropy and top-1 come from the ring, not a gathered head
     assert vanilla_head.endswith(os.path.join("trl", "trainer", "utils.py"))
     # a PEFT copy of the head (modules_to_save) goes to TRL's own fused head, which gathers it (with a warning)

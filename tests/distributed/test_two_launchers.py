@@ -64,6 +64,9 @@ def test_two_nodes_of_two_ranks_train_save_like_vanilla_ddp_reading_one_revision
     for rank, s in enumerate(seen):
         assert s["read"] == os.path.join(caches[rank // 2], "models--org--tiny", "snapshots", OLD)
     assert len({s["loss"] for s in seen}) == 4
+    for rank in range(4):  # hf_rtp destroyed the world group it made, at exit (launched_step.py)
+        with open(os.path.join(out, f"exit-{rank}.json")) as f:
+            assert json.load(f) == {"initialized": False}, rank
     assert sorted(os.listdir(os.path.join(out, "saved"))) == [
         "config.json",
         "generation_config.json",
