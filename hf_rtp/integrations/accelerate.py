@@ -36,17 +36,19 @@ from ..settings import collective_timeout
 STATE_DIR = "hf_rtp_state_{}"
 
 
-def check_processes(
-    num_processes: int,
-    world_size: int,
-    what: str = "accelerate",
-    fix: str = "build Accelerator(cpu=True) (hf_rtp.Accelerator does)",
-) -> None:
+ACCELERATE_FIX = (
+    "build Accelerator(cpu=True) (hf_rtp.Accelerator does) and launch with torchrun or `accelerate launch "
+    "--multi_gpu --num_processes N`; or, leaving the script as it is, launch it with `ACCELERATE_USE_CPU=true "
+    "torchrun --nproc_per_node N` (accelerate's own launcher does not start a plain Accelerator on several CPU "
+    "processes)"
+)
+
+
+def check_processes(num_processes: int, world_size: int, what: str = "accelerate", fix: str = ACCELERATE_FIX) -> None:
     if num_processes != world_size:
         raise TopologyError(
             f"{what} runs {num_processes} process(es) but the rotated model spans {world_size} ranks, so every rank "
-            f"would train on the same batches. On a machine without CUDA {fix}, and launch with "
-            "`accelerate launch --multi_gpu --num_processes N` or torchrun."
+            f"would train on the same batches. On a machine without CUDA {fix}."
         )
 
 
@@ -60,6 +62,7 @@ def check_accelerate_state(world_size: int) -> None:
         processes = PartialState().num_processes
         if processes != world_size and _training_arguments_exist():
             fix = "pass TrainingArguments(use_cpu=True) (--use_cpu on an example script's command line)"
+            fix += " and launch with torchrun --nproc_per_node N"
             check_processes(processes, world_size, "TrainingArguments' accelerate state", fix)
         check_processes(processes, world_size)
 

@@ -81,7 +81,11 @@ def _attach(trainer, model):
     if model is None or rotated_module(model) is None:
         raise IntegrationError(f"{type(trainer).__name__}.model holds no model loaded with hf_rtp.from_pretrained")
     check_processes(
-        trainer.args.world_size, state_of(model).topology.world_size, "Trainer", "pass TrainingArguments(use_cpu=True)"
+        trainer.args.world_size,
+        state_of(model).topology.world_size,
+        "Trainer",
+        "pass TrainingArguments(use_cpu=True) (--use_cpu on an example script's command line) and launch with "
+        "torchrun --nproc_per_node N",
     )
     if state_of(model).topology.world_size > 1:  # refused at construction, not at the first step
         if getattr(trainer.args, "torch_compile", False):

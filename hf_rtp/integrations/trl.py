@@ -18,6 +18,10 @@ for the policy's own path, it loads the reference rotated like the policy (the s
 so no rank holds a whole copy; every other call goes to TRL's. A reward model that GRPOTrainer loaded
 by name before Trainer.__init__ is whole on every rank: adoption says so in a warning, with its size; so
 is a reference or teacher model that is whole when hf_rtp attaches (built before a delayed attachment).
+
+And at adoption, `check_model_keywords`: a TRL trainer asked (through `args.model_init_kwargs` or its
+`quantization_config=`) for a base other than the rotated model it was handed is refused, naming each keyword:
+TRL applies them only to a model it loads from a path, so they would be dropped without an error.
 """
 
 from __future__ import annotations
