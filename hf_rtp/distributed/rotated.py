@@ -353,6 +353,14 @@ def make_rotated(param: torch.nn.Parameter) -> torch.nn.Parameter:
     return _marked(param)
 
 
+def rotated_rows(like: DTensor, rows: torch.Tensor) -> RotatedTensor:
+    """This rank's `rows` [its rows of `like`, columns] as a rotated tensor on `like`'s mesh (a quantized weight's
+    rows dequantized, say); no communication."""
+    shape = torch.Size((like.shape[0], *rows.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return _marked(DTensor.from_local(rows, like.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride))
+
+
 def rotated_scales(param: DTensor, block: int = blockwise.BLOCK) -> RotatedTensor:
     """Zeros for the block scales of a rotated parameter's 8-bit optimizer state (distributed/blockwise.py)."""
     return _marked(blockwise.zero_scales(param, block))

@@ -14,10 +14,13 @@ Likewise `peft.tuners.lora.dora.DoraLinearLayer.get_weight_norm`: PEFT computes 
 `W + scale * B @ A` with the base weight as it finds it, which on a rotated layer is a Shard(0) DTensor,
 and the sharded norm then breaks the forward. The stand-in takes PEFT's own norm (each rank's rows, the
 same arithmetic row by row) and gathers the [out_features] vector whole; PEFT detaches it anyway.
-And its `forward` on a rotated base layer: with `lora_dropout > 0` PEFT recomputes the base output as
-`F.linear(x, base_layer.weight)` on the dropped-out input, which on the rotated weight leaked a DTensor
-into the hidden states; the stand-in runs the rotated layer itself there, and takes a bias back out
-gathered whole (PEFT subtracted the rotated bias, the same leak on biased layers).
+And `dequantize_module_weight` as `peft.tuners.lora.dora` calls it (QDoRA: DoRA over a 4-bit or 8-bit base),
+which knows bitsandbytes' parameters, not hf_rtp's packed rows: each rank's rows dequantized as bitsandbytes
+dequantizes vanilla's weight, as a rotated tensor. And `DoraLinearLayer.forward` on a rotated base layer: with
+`lora_dropout > 0` PEFT recomputes the base output as `F.linear(x, base_layer.weight)` on the dropped-out
+input, which on the rotated weight leaked a DTensor into the hidden states; the stand-in runs the rotated
+layer itself there (on a quantized base, F.linear of the dequantized pieces over the ring), and takes a bias
+back out gathered whole (PEFT subtracted the rotated bias, the same leak on biased layers).
 
 And `trainable_token_indices` (PEFT's TrainableTokensLayer) on a rotated embedding or tied head: PEFT
 reads the chosen rows with `weight[indices]` and merges them into a whole copy of the weight at every
@@ -47,6 +50,7 @@ import importlib.abc
 import importlib.util
 import sys
 import threading
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +59,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import log
-from ..distributed.rotated import RotatedTensor, rows_of, whole
-from ..errors import IntegrationError, RotatedStateError
+from ..distributed.rotated import RotatedTensor, rotated_rows, rows_of, whole
+from ..errors import RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from ..layers.linear4bit import FrozenQuantizedLinear
@@ -135,7 +139,7 @@ def make_peft_use_global_features() -> None:
         if name.startswith("peft.") and getattr(module, "_get_in_out_features", None) is original:
             setattr(module, "_get_in_out_features", get_in_out_features)  # noqa: B010 (a module's global)
     _stand_in_for_dora_norm()
-    _refuse_dora_on_a_quantized_base()
+    _stand_in_for_dora_dequantize()
     _stand_in_for_dora_forward()
     _stand_in_for_trainable_tokens()
     _refuse_merges_peft_gets_wrong()
@@ -157,28 +161,27 @@ def _stand_in_for_dora_norm() -> None:
     DoraLinearLayer.get_weight_norm = get_weight_norm  # the stand-in, see above
 
 
-def _refuse_dora_on_a_quantized_base() -> None:
-    """QDoRA (`use_dora=True` over a 4-bit or 8-bit base): PEFT reads DoRA's weight norm from
-    `dequantize_module_weight`, which knows bitsandbytes' parameter classes, not hf_rtp's packed rows, and would
-    take the norm of the packed bytes. Refused by name where PEFT builds the layer, before any step."""
-    from peft.tuners.lora.dora import DoraLinearLayer
+def _stand_in_for_dora_dequantize() -> None:
+    """QDoRA (`use_dora=True` over a 4-bit or 8-bit base): PEFT reads the base weight for DoRA's norm and its
+    dropout path through `dequantize_module_weight`, which knows bitsandbytes' parameter classes, not hf_rtp's
+    packed rows (it would take the norm of the packed bytes). For a rotated quantized layer the stand-in gives this
+    rank's rows dequantized as bitsandbytes dequantizes vanilla's weight, as a rotated tensor; DoRA's norm is then
+    gathered whole (`_stand_in_for_dora_norm`). Rebinds the name in `peft.tuners.lora.dora` only, where DoRA calls
+    it; every other module goes to PEFT's own."""
+    from peft.tuners.lora import dora
 
-    original = DoraLinearLayer.update_layer
+    original = dora.dequantize_module_weight
     if getattr(original, _MARK, None) is not None:
         return
 
     @functools.wraps(original)
-    def update_layer(self, *, base_layer, **kwargs):
-        if isinstance(base_layer, FrozenQuantizedLinear):
-            raise IntegrationError(
-                f"LoraConfig(use_dora=True) on a 4-bit or 8-bit base (QDoRA) is not supported by hf_rtp yet: "
-                f"DoRA's weight norm would be taken over the packed bytes of {type(base_layer).__name__}. Use "
-                "LoRA (use_dora=False) on the quantized base, or DoRA on an unquantized rotated base"
-            )
-        return original(self, base_layer=base_layer, **kwargs)
+    def dequantize_module_weight(module):
+        if isinstance(module, FrozenQuantizedLinear):
+            return rotated_rows(cast(DTensor, module.weight), module.dequantized_rows())
+        return original(module)
 
-    setattr(update_layer, _MARK, "peft.tuners.lora.dora.DoraLinearLayer.update_layer")
-    DoraLinearLayer.update_layer = update_layer  # the stand-in, see above
+    setattr(dequantize_module_weight, _MARK, "peft.tuners.lora.dora.dequantize_module_weight")
+    dora.dequantize_module_weight = dequantize_module_weight  # the stand-in, see above
 
 
 def _stand_in_for_dora_forward() -> None:
@@ -201,17 +204,22 @@ def _stand_in_for_dora_forward() -> None:
                 base_result=base_result,
                 adapter_name=adapter_name,
             )
+        from peft.tuners.lora import dora
+
         # PEFT 0.21's arithmetic, line for line, with two rotated-safe steps
         lora_weight = self.get_lora_weight(lora_A=lora_A, lora_B=lora_B, adapter_name=adapter_name).to(x.dtype)
-        weight = base_layer.weight.to(x.dtype)
+        weight = dora.dequantize_module_weight(base_layer).to(x.dtype)  # a quantized base's rows: the stand-in
         weight_norm = self.get_weight_norm(
             weight=weight, lora_weight=lora_weight.detach(), scaling=scaling, adapter_name=adapter_name
         ).detach()  # DoRA's norm is a constant (section 4.3 of the paper), as in PEFT
         mag_norm_scale = (self.weight / weight_norm).view(1, -1)
         lora_result = lora_B(lora_A(x))
-        if base_result is None:  # lora_dropout > 0: PEFT runs F.linear on the dropped-out input, here the ring does
+        bias: torch.Tensor | None = base_layer.bias
+        if base_result is None and isinstance(base_layer, FrozenQuantizedLinear):
+            # lora_dropout > 0: PEFT runs F.linear on the dropped-out input and the dequantized weight, no bias
+            base_result, bias = base_layer.dequantized_linear(x), None
+        elif base_result is None:  # the same on a float weight: the rotated layer, whose bias comes off below
             base_result = base_layer(x)
-        bias = base_layer.bias
         if bias is not None:  # DoRA scales the map without its bias; a rotated bias gathered whole
             base_result = base_result - (whole(bias) if isinstance(bias, DTensor) else bias).to(base_result.dtype)
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling

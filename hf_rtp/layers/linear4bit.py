@@ -131,11 +131,48 @@ def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
     return grad_x, None, grad_bias, None, None, None
 
 
+class _DequantizedFn(torch.autograd.Function):
+    """`F.linear(x, W)` with W the layer's dequantized weight, piece by piece over the ring, in x's dtype; backward
+    the input gradient only. What PEFT's DoRA computes on vanilla's dequantized weight when lora_dropout drops the
+    input (DoraLinearLayer.forward, `base_result=None`)."""
+
+    @staticmethod
+    def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: FrozenQuantizedLinear):
+        out = x.new_empty(*x.shape[:-1], layout.rows)
+
+        def compute(rows, chunk):
+            out[..., rows[0] : rows[1]] = torch.nn.functional.linear(
+                x, module.dequantized_piece(rows, chunk[0]).to(x.dtype)
+            )
+
+        ring.forward_walk([piece], layout, compute)
+        ctx.save_for_backward(piece)
+        ctx.ring, ctx.layout, ctx.module, ctx.bias_dtype = ring, layout, module, None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return frozen_backward(ctx, grad_out, ctx.module.dequantized_piece, grad_out.dtype)
+
+
 class FrozenQuantizedLinear(RotatedLinear):
     """A rotated linear whose weight is quantized bytes (4-bit here, 8-bit in linear8bit.py): `weight` is this
     layer's pieces as a uint8 Shard(0) DTensor [out_features, bytes per row], not bitsandbytes' Params4bit or
     Int8Params; it never trains, and hf_rtp does not save it (save the adapter). `bias` is whole, as vanilla's,
     and frozen, as transformers freezes the whole quantized Linear."""
+
+    def dequantized_piece(self, rows: tuple[int, int], piece: torch.Tensor) -> torch.Tensor:
+        """A piece's rows of the weight as PEFT's `dequantize_bnb_weight` gives vanilla's whole weight (DoRA)."""
+        raise NotImplementedError
+
+    def dequantized_rows(self) -> torch.Tensor:
+        """This rank's rows of the dequantized weight (no communication)."""
+        piece = local(self.weight)
+        return self.dequantized_piece((0, piece.shape[0]), piece)
+
+    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`F.linear(x, dequantized weight)` without the bias, in x's dtype, over the ring (_DequantizedFn)."""
+        return _DequantizedFn.apply(x, local(self.weight), None, self.ring, self.layout, self)
 
     def __init__(self, source: RotatedLinear, *, spec):
         nn.Module.__init__(self)
@@ -153,6 +190,13 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
     """A frozen 4-bit nn.Linear rotated as packed rows with their scales (see the module's docstring)."""
 
     spec: Quant4bit
+
+    def dequantized_piece(self, rows: tuple[int, int], piece: torch.Tensor) -> torch.Tensor:
+        packed, absmax = self.unpack(piece)  # bitsandbytes' dequantize_4bit, in the dtype it was quantized from
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            packed, absmax, self.spec.blocksize, self.spec.quant_type, (rows[1] - rows[0], self.in_features),
+            self.spec.dtype,
+        )  # fmt: skip
 
     def unpack(self, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.in_features // 2

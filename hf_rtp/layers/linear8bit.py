@@ -106,6 +106,10 @@ class RotatedLinear8bit(FrozenQuantizedLinear):
     def threshold(self) -> float:
         return self.spec.threshold
 
+    def dequantized_piece(self, rows: tuple[int, int], piece: torch.Tensor) -> torch.Tensor:
+        codes, scales = unpack8(piece, self.in_features)  # bitsandbytes' int8_vectorwise_dequant, as PEFT reads it
+        return torch.ops.bitsandbytes.int8_vectorwise_dequant.default(codes, scales)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bitsandbytes' Linear8bitLt: the bias in the input's dtype, the output in the input's dtype
         bias = None if self.bias is None else self.bias.to(x.dtype)

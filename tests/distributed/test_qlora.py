@@ -221,22 +221,60 @@ def _quantized_base_alone(ckpt, out):
         model.dequantize()
     except hf_rtp.RotatedStateError as err:
         answers["dequantize"] = str(err)
-    from peft import LoraConfig, get_peft_model
-
-    try:  # QDoRA: PEFT would take DoRA's weight norm over the packed bytes
-        get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=TARGETS))
-    except hf_rtp.IntegrationError as err:
-        answers["qdora"] = str(err)
     return answers
 
 
-def test_a_quantized_base_without_adapters_is_refused_by_trainer_as_vanilla_dequantize_and_qdora_by_name(tmp_path):
+def test_a_quantized_base_without_adapters_is_refused_by_trainer_as_vanilla_and_dequantize_by_name(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
     for answers in run_on_ranks(_quantized_base_alone, 2, ckpt, str(tmp_path / "out")):
         assert answers["vanilla"] is not None and "purely quantized models" in answers["vanilla"]
         assert answers["rotated"] == answers["vanilla"]  # at construction, before any step trains the norms
         assert "dequantize() of a rotated 4-bit or 8-bit base is not supported" in answers["dequantize"]
-        assert "use_dora=True) on a 4-bit or 8-bit base (QDoRA) is not supported" in answers["qdora"]
+
+
+def _qdora(ckpt, bits, dropout):
+    """DoRA on a quantized base (QDoRA) beside vanilla PEFT under DDP: the magnitude vectors PEFT initialises from
+    the dequantized weight's row norms, then one forward and backward with each rank's dropout masks drawn alike."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, init_lora_weights=False,
+                        target_modules=TARGETS)  # fmt: skip
+    models = []
+    for load in (hf_rtp.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        base = vanilla_training_path(load(ckpt, dtype=torch.float32, quantization_config=_base_config(bits)))
+        torch.manual_seed(0)
+        models.append(get_peft_model(prepare_model_for_kbit_training(base, False), config).train())
+    model, vanilla = models
+    theirs = dict(vanilla.named_parameters())
+    magnitudes = [(p - theirs[n]).abs().max().item() for n, p in model.named_parameters() if "magnitude" in n]
+    batch = global_batch(world, seq=12)[rank]
+    losses = []
+    for m in (model, DistributedDataParallel(vanilla)):
+        torch.manual_seed(10 + rank)  # this rank's dropout masks, the same for both
+        loss = m(input_ids=batch, labels=batch).loss
+        loss.backward()
+        losses.append(loss.item())
+    hf_rtp.sync_grads(model)
+    return magnitudes, losses, trainable_grad_gaps(model, vanilla)
+
+
+@pytest.mark.parametrize(("bits", "dropout", "world"), [(4, 0.1, 3), (8, 0.0, 2)])
+def test_qdora_on_a_quantized_base_equals_vanilla_peft(tmp_path, bits, dropout, world):
+    """PEFT reads DoRA's weight through dequantize_module_weight, which would read hf_rtp's packed bytes: the
+    stand-in gives each rank's rows dequantized as bitsandbytes dequantizes vanilla's (4-bit: NF4 with double
+    quantization at 3 ranks, with lora_dropout, where DoRA recomputes the base output on the dropped input)."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
+    for rank, (magnitudes, losses, grads) in enumerate(run_on_ranks(_qdora, world, ckpt, bits, dropout)):
+        assert len(magnitudes) == 6 and max(magnitudes) < 1e-6, (rank, magnitudes)  # 3 targets, 2 layers
+        assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
+        assert sum("lora_magnitude_vector" in n for n in grads) == 6 and sum("lora_A" in n for n in grads) == 6
+        for name, (difference, scale) in grads.items():
+            assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
 
 
 def _sft(model, out, max_steps=4, resume=None):
