@@ -12,12 +12,13 @@ kernel that then also runs in training (tests/support/compare.py, vanilla_traini
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import torch
 from support.models import global_batch, make_tiny, tiny_tokenizer
 from support.recipes import ENV, torchrun
-from support.spawn import finish_launchers, free_port
+from support.spawn import free_port, kill_launcher
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("bitsandbytes")
@@ -57,14 +58,37 @@ def _data(folder):
     return folder
 
 
-def _launch(script, ckpt, data, out):
+def _run(script, ckpt, data, out, hang_at_exit_allowed):
+    """Launch `script` on 2 ranks; (exit code, output). With `hang_at_exit_allowed`, a launch whose ranks finished
+    (the adapter saved, the script's last step) but are still there 20 s later is reaped and reported as "hung at
+    exit": vanilla TRL's sft.py hangs there now and then (2 runs in 6 here), a rank in gloo's process-group
+    destructor after `trainer.end()`; the test compares what it wrote. hf_rtp's run must exit."""
     command = [*torchrun(2), "--master_port", str(free_port()), script, "--model_name_or_path", ckpt,
                "--dataset_name", data, "--output_dir", out, "--use_cpu", "--report_to", "none",
                "--logging_steps", "1", "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
                "--max_length", "24", "--learning_rate", "1e-3", "--seed", "0", "--save_steps", str(STEPS),
                "--use_peft", "--load_in_4bit", "--lora_r", "4", "--lora_target_modules", "all-linear"]  # fmt: skip
-    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)  # fmt: skip
+    log = f"{out}.log"
+    with open(log, "w") as sink:  # a file, not a pipe: nobody reads while the ranks run
+        proc = subprocess.Popen(command, env=ENV, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    code: int | str | None = None
+    try:
+        saved = None
+        for _ in range(300):
+            code = proc.poll()
+            if code is not None:
+                break
+            if saved is None and os.path.exists(os.path.join(out, "adapter_model.safetensors")):
+                saved = time.monotonic()
+            if hang_at_exit_allowed and saved is not None and time.monotonic() - saved > 20:
+                code = "hung at exit"
+                break
+            time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            kill_launcher(proc)
+    with open(log, errors="replace") as f:
+        return code, f.read()
 
 
 def _losses(out):
@@ -94,11 +118,10 @@ def test_trl_sft_script_qlora_with_hf_rtps_one_line_trains_as_vanilla(tmp_path):
     runs = {"vanilla": None, "rtp": ONE_LINE}
     outputs = {}
     for name, line in runs.items():  # one at a time: two launches of 2 ranks on CI's two cores
-        proc = _launch(_script(str(tmp_path / name), line), ckpt, data, str(tmp_path / f"out-{name}"))
-        (output,) = finish_launchers([proc], timeout=300)
-        outputs[name] = (proc.returncode, f"{name}:\n{output}")
-    for name in ("vanilla", "rtp"):
-        assert outputs[name][0] == 0, outputs[name][1][-6000:]
+        script = _script(str(tmp_path / name), line)
+        outputs[name] = _run(script, ckpt, data, str(tmp_path / f"out-{name}"), hang_at_exit_allowed=line is None)
+    assert outputs["vanilla"][0] in (0, "hung at exit"), outputs["vanilla"][1][-6000:]
+    assert outputs["rtp"][0] == 0, outputs["rtp"][1][-6000:]
     vanilla, rotated = _losses(str(tmp_path / "out-vanilla")), _losses(str(tmp_path / "out-rtp"))
     assert len(rotated) == STEPS and rotated[0] == pytest.approx(vanilla[0], abs=1e-5)
     # TRL keeps QLoRA adapters in bf16: a bf16 rounding of the ring's summation order can move a later step
