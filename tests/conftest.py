@@ -22,6 +22,7 @@ _FIRST = (
     "tests/e2e/test_bench.py",
     "tests/e2e/test_bench_rank_server.py",
     "tests/e2e/test_recipe_with_trainer_and_qlora.py",
+    "tests/e2e/test_trl_sft_script.py",
     "tests/distributed/test_zoo.py",
     "tests/distributed/test_bad_input.py",
     "tests/faults/test_resume_faults.py",
