@@ -121,10 +121,19 @@ def adopt_caller(model) -> None:
     state = state_of(model, required=False)
     if state is not None:
         check_processes(accelerator.num_processes, state.topology.world_size)
+    # a subclass's own save_state (say) stays in charge: replacing it on the instance would skip the user's code
+    # without a word; it calls accelerate's, which refuses to pickle rank 0's rows (RotatedStateError)
+    own = [n for n in _REPLACED if getattr(type(accelerator), n) is not getattr(accelerate.Accelerator, n)]
     for name in _REPLACED:
-        setattr(accelerator, name, types.MethodType(globals()[name], accelerator))
+        if name not in own:
+            setattr(accelerator, name, types.MethodType(globals()[name], accelerator))
     accelerator.__dict__[_ADOPTED] = True
-    log.info(f"hf_rtp saves and loads the rotated model's state for this {type(accelerator).__name__} (save_state)")
+    if own:
+        log.warning(
+            f"{type(accelerator).__name__} overrides {', '.join(own)}, which hf_rtp leaves in charge: on the rotated "
+            "model accelerate's own (which an override calls) refuses to save rank 0's rows. Subclass "
+            "hf_rtp.Accelerator instead to keep your override and save the rotated state"
+        )
 
 
 def _preparing_accelerator(depth: int):

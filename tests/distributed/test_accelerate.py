@@ -148,12 +148,30 @@ def _plain_accelerate_refuses(ckpt, out):
         accelerator.wait_for_everyone()
     with pytest.raises(hf_rtp.RotatedStateError, match=r"hf_rtp.Accelerator\(\).save_model"):
         accelerator.save_model(model, os.path.join(out, "model"))  # refused on every rank
-    return rank, outcomes
+
+    class Mine(Accelerator):  # a user's override stays in charge: not shadowed by hf_rtp's on the instance
+        def save_state(self, *args, **kwargs):
+            self.called = True
+            return super().save_state(*args, **kwargs)
+
+    mine = Mine(cpu=True)
+    mine.prepare(model)  # wrapped in DDP: hf_rtp adopts what Mine does not override
+    try:
+        mine.save_state(os.path.join(out, "mine"))
+        outcomes.append(None)
+    except hf_rtp.RotatedStateError as err:
+        outcomes.append(str(err))
+    return rank, outcomes, getattr(mine, "called", False), "save_model" in mine.__dict__
 
 
 def test_plain_accelerate_that_never_wrapped_the_model_refuses_to_write_one_ranks_rows(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    outcomes = dict(run_on_ranks(_plain_accelerate_refuses, 2, ckpt, str(tmp_path / "state")))
+    found = run_on_ranks(_plain_accelerate_refuses, 2, ckpt, str(tmp_path / "state"))
+    outcomes = {rank: rest for rank, *rest in found}
+    for rank, (mine, called, adopted) in outcomes.items():
+        assert called and adopted, rank  # Mine's save_state ran; the methods it does not override are hf_rtp's
+        assert "refusing to write a rotated tensor" in mine[2], rank  # its super() is accelerate's, which refuses
+    outcomes = {rank: found[0] for rank, found in outcomes.items()}
     for safe in (0, 1):  # accelerate pickles the optimizer on rank 0 only, whatever safe_serialization says
         assert "refusing to pickle a rotated tensor" in outcomes[0][safe] and "save_state" in outcomes[0][safe]
         assert outcomes[1][safe] is None  # rank 1 had nothing to refuse
