@@ -99,16 +99,7 @@ class _Rotated4bitFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        module = ctx.module
-
-        def dequantized(rows, piece):
-            packed, absmax = module.unpack(piece)
-            return torch.ops.bitsandbytes.dequantize_4bit.default(
-                packed, absmax, module.spec.blocksize, module.spec.quant_type, (rows[1] - rows[0], module.in_features),
-                module.spec.dtype,
-            )  # fmt: skip
-
-        return frozen_backward(ctx, grad_out, dequantized, grad_out.dtype)
+        return frozen_backward(ctx, grad_out, ctx.module.dequantized_piece, grad_out.dtype)
 
 
 def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
@@ -161,6 +152,17 @@ class FrozenQuantizedLinear(RotatedLinear):
     Int8Params; it never trains, and hf_rtp does not save it (save the adapter). `bias` is whole, as vanilla's,
     and frozen, as transformers freezes the whole quantized Linear."""
 
+    def __init__(self, source: RotatedLinear, *, spec):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = source.weight
+        self.bias = source.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.ring, self.spec = source.ring, spec
+        self.layout = ChunkLayout((self.weight.shape,), self.ring.size)
+        self.bias_after_matmul = False
+
     def dequantized_piece(self, rows: tuple[int, int], piece: torch.Tensor) -> torch.Tensor:
         """A piece's rows of the weight as PEFT's `dequantize_bnb_weight` gives vanilla's whole weight (DoRA)."""
         raise NotImplementedError
@@ -173,17 +175,6 @@ class FrozenQuantizedLinear(RotatedLinear):
     def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         """`F.linear(x, dequantized weight)` without the bias, in x's dtype, over the ring (_DequantizedFn)."""
         return _DequantizedFn.apply(x, local(self.weight), None, self.ring, self.layout, self)
-
-    def __init__(self, source: RotatedLinear, *, spec):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = source.in_features, source.out_features
-        self.weight = source.weight
-        self.bias = source.bias
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        self.ring, self.spec = source.ring, spec
-        self.layout = ChunkLayout((self.weight.shape,), self.ring.size)
-        self.bias_after_matmul = False
 
 
 class RotatedLinear4bit(FrozenQuantizedLinear):
