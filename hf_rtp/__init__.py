@@ -24,6 +24,7 @@ from .errors import (
 from .integrations.accelerate import Accelerator
 from .integrations.peft import adapter_state_dict
 from .integrations.trainer import attach_trainer
+from .model.context import context_parallel
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
 from .model.state import is_rotated, state_of
 from .model.whole import whole_model
@@ -49,6 +50,7 @@ __all__ = [
     "adapter_state_dict",
     "attach_trainer",
     "collective_timeout",
+    "context_parallel",
     "from_pretrained",
     "ignore_rotated_in_ddp",
     "is_rotated",

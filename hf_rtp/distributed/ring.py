@@ -218,6 +218,7 @@ class Ring:
         accumulate: Callable[[Rows, Bundle | None, Bundle], None] | None,
         input_grad: Callable[[Rows, Bundle], None] | None,
         dtype: torch.dtype | None = None,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> list[torch.Tensor] | None:
         """Walk the ring again for backward; return this rank's summed weight gradients.
 
@@ -231,20 +232,22 @@ class Ring:
         Weights rotate only when `input_grad` is given (an embedding needs none; `piece` is then
         None); `input_grad(rows, piece)` runs while the accumulator is in flight. `accumulate` is None for frozen
         weights, which then send no
-        gradients at all. Weights travel in `dtype` (travel_dtype), accumulators in `reduce_dtype`.
+        gradients at all. Weights travel in `dtype` (travel_dtype), accumulators in `reduce_dtype`, or in
+        `accumulate_dtype` where given (attention's K/V gradients, which are activations', not parameters').
         """
         like = own[0]
+        summed = accumulate_dtype or self.reduce_dtype or like.dtype
         if self.size == 1:
             acc = None
             if accumulate is not None:
-                acc = [like.new_zeros(s) for s in layout.shapes(0)]
+                acc = [like.new_zeros(s, dtype=accumulate_dtype or like.dtype) for s in layout.shapes(0)]
                 accumulate(layout.bounds(0), own if input_grad is not None else None, acc)
             if input_grad is not None:
                 input_grad(layout.bounds(0), own)
             return acc
         pieces = self.pieces(layout, like)
         travel = like.new_empty(0, dtype=self.travel_dtype(own, dtype))
-        reduced = like.new_empty(0, dtype=self.reduce_dtype or like.dtype)
+        reduced = like.new_empty(0, dtype=summed)
         # This rank's complete gradient is gathered in fresh memory, not in the shared pool: it
         # becomes `.grad`.
         home = [reduced.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None

@@ -32,6 +32,7 @@ from ..layers.common import cast_for_matmul, local
 from ..layers.fused_loss import HeadTransform, fused_cross_entropy, fused_token_stats
 from ..private.torch_names import assert_async
 from ..private.transformers_names import own_loss_function
+from . import context
 
 # The transforms vanilla applies between the head and the loss, by their exact code (`logits` stands
 # for whatever the forward calls its logits): field of HeadTransform -> attribute read on the model.
@@ -191,6 +192,12 @@ def install_forward(model: PreTrainedModel, fused: bool) -> bool:
 
     @functools.wraps(type(model).forward)  # generate and Trainer read the model's signature through it
     def forward(self, *args, return_logits: bool = False, **kwargs):
+        run = context.active(self)
+        if run is not None:  # one sequence across the ring: checked inputs, the sequence's loss
+            return context.forward(run, lambda **kw: routed(self, *args, return_logits=return_logits, **kw), kwargs)
+        return routed(self, *args, return_logits=return_logits, **kwargs)
+
+    def routed(self, *args, return_logits: bool = False, **kwargs):
         plain = type(self).forward
         if (
             not fused

@@ -7,10 +7,12 @@ ranks are done (as under DeepSpeed ZeRO-3 or FSDP). hf_rtp makes that the defaul
 
 from __future__ import annotations
 
+from .context import refuse_inside
 from .state import state_of
 
 
 def generate(model, *args, synced_gpus: bool | None = None, **kwargs):
+    refuse_inside(model, "generate()")
     topology = state_of(model).topology
     topology.enter("generate")
     if synced_gpus is None:

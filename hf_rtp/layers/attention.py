@@ -1,0 +1,137 @@
+"""Causal attention over one sequence cut across the ring (context parallelism): ring attention.
+
+Each rank holds the queries, keys and values of its own tokens (distributed.sequence: chunks r and
+2N-1-r). The K/V blocks walk the ring as the weight pieces do (`Ring.forward_walk`: the next block in
+flight while this one is computed, two foreign blocks at most, from the shared pool). Each block's
+part of the attention comes from SDPA's flash kernel, which returns the block's output and its
+log-sum-exp; merging them by their log-sum-exp gives exactly softmax attention over all keys.
+
+Backward walks the blocks again (`Ring.backward_walk`): the flash kernel's backward, given the merged
+output and log-sum-exp, gives each block's exact share of dQ, dK and dV; dK and dV travel with their
+block and come home summed, as weight gradients do.
+
+Causality is decided per run of global positions (`_blocks`): a query sees the keys at its position
+and before. A query run against a key run splits into a part that sees the whole run, a square that
+is causal within itself (SDPA's `is_causal`, top-left aligned) and a part that sees none of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed.ring import Ring
+from ..distributed.sequence import Interval, SequenceLayout
+
+Block = tuple[tuple[int, int], tuple[int, int], bool]
+"""(query rows, key rows, causal): one call of the flash kernel"""
+
+
+def _blocks(queries: list[Interval], keys: list[Interval]) -> list[Block]:
+    """Kernel calls that cover causal attention of `queries` to `keys` (runs of (row, position, length)),
+    each a rectangle fully visible or a square causal within itself."""
+    blocks: list[Block] = []
+    for q_row, q0, q_len in queries:
+        q1 = q0 + q_len
+        for k_row, k0, k_len in keys:
+            k1 = k0 + k_len
+            lo, hi = max(q0, k0), min(q1, k1)  # queries inside the key run: causal square, plus keys before it
+            if hi > lo:
+                rows = (q_row + lo - q0, q_row + hi - q0)
+                if lo > k0:
+                    blocks.append((rows, (k_row, k_row + lo - k0), False))
+                blocks.append((rows, (k_row + lo - k0, k_row + hi - k0), True))
+            after = max(q0, k1)  # queries after the key run see all of it
+            if q1 > after:
+                blocks.append(((q_row + after - q0, q_row + q_len), (k_row, k_row + k_len), False))
+    return blocks
+
+
+def _heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[tokens, batch, kv_heads, dim] -> [batch, heads, tokens, dim], K/V heads repeated as repeat_kv does."""
+    t = t.permute(1, 2, 0, 3)
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _unheads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_heads`: [batch, heads, tokens, dim] -> [tokens, batch, kv_heads, dim]."""
+    if groups > 1:
+        t = t.unflatten(1, (-1, groups)).sum(2)
+    return t.permute(2, 0, 1, 3)
+
+
+def _merge_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+class RingAttentionFn(torch.autograd.Function):
+    """softmax(Q K^T * scale + causal) V over the whole sequence, for this rank's queries."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, ring: Ring, layout: SequenceLayout):
+        groups = q.shape[1] // k.shape[1]
+        own = [k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous()]  # tokens first: ring rows
+        rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
+        first = rows.bounds(ring.rank)[0]
+        queries = [(row, pos, n) for row, pos, n in layout.intervals(ring.rank)]
+        merged = _merge_dtype(q.dtype)
+        out = q.new_zeros(q.shape, dtype=merged)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=merged)
+
+        def compute(span, held):
+            keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
+            for (qa, qb), (ka, kb), causal in _blocks(queries, keys):
+                o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q[:, :, qa:qb], _heads(held[0][ka:kb], groups), _heads(held[1][ka:kb], groups), 0.0, causal,
+                    scale=scale,
+                )  # fmt: skip
+                total = torch.logaddexp(lse[:, :, qa:qb], m.to(merged))
+                out[:, :, qa:qb] = out[:, :, qa:qb] * (lse[:, :, qa:qb] - total).exp().unsqueeze(-1) + o.to(merged) * (
+                    m.to(merged) - total
+                ).exp().unsqueeze(-1)
+                lse[:, :, qa:qb] = total
+
+        with torch.autocast(q.device.type, enabled=False):
+            ring.forward_walk(own, rows, compute)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.scale, ctx.ring, ctx.layout, ctx.first = scale, ring, layout, first
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, layout, scale = ctx.ring, ctx.layout, ctx.scale
+        groups = q.shape[1] // k.shape[1]
+        own = [k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous()]
+        rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
+        queries = layout.intervals(ring.rank)
+        summed = _merge_dtype(q.dtype)
+        grad_out = grad_out.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=summed, device=q.device)
+        kernel_lse = lse.to(torch.float32) if q.dtype in (torch.bfloat16, torch.float16) else lse
+
+        def accumulate(span, held, acc):
+            keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
+            for (qa, qb), (ka, kb), causal in _blocks(queries, keys):
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grad_out[:, :, qa:qb], q[:, :, qa:qb], _heads(held[0][ka:kb], groups),
+                    _heads(held[1][ka:kb], groups), out[:, :, qa:qb], kernel_lse[:, :, qa:qb].contiguous(), 0.0,
+                    causal, scale=scale,
+                )  # fmt: skip
+                grad_q[:, :, qa:qb] += dq
+                acc[0][ka:kb] += _unheads(dk, groups)
+                acc[1][ka:kb] += _unheads(dv, groups)
+
+        with torch.autocast(q.device.type, enabled=False):
+            home = ring.backward_walk(own, rows, accumulate, lambda span, held: None, accumulate_dtype=summed)
+        assert home is not None  # accumulate was given
+        grad_k, grad_v = (h.permute(1, 2, 0, 3).to(k.dtype) for h in home)
+        return grad_q.to(q.dtype), grad_k, grad_v, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, ring: Ring, layout: SequenceLayout):
+    """Causal attention of this rank's queries [batch, heads, tokens, dim] to the whole sequence's keys and
+    values ([batch, kv_heads, tokens, dim], heads a multiple of kv_heads); returns [batch, heads, tokens, dim]."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly")
+    return RingAttentionFn.apply(q, k, v, scale, ring, layout)

@@ -1,0 +1,337 @@
+"""Context parallelism on a rotated model: one sequence across the ring, for the length of a `with` block.
+
+Inside the block each rank holds its chunks of the sequence (distributed.sequence). Every op but
+attention works token by token, so the rotated layers run unchanged; attention is hf_rtp's ring
+attention (layers.attention), reached through transformers' own attention interface under the name
+`hf_rtp_context`, which the model's config carries only inside the block. The loss is vanilla's over
+the whole sequence: each rank's tokens' loss divided by the sequence's label count, summed over the
+ring (the sum's backward is a sum too, so every rank's gradient is the ring's; the data-parallel mean
+then gives the whole sequence's gradient). Under Trainer, which passes `num_items_in_batch` and
+multiplies the loss by the number of processes itself, the loss is left to it.
+
+What the ring attention does not reproduce is refused by name: padding masks, packed sequences,
+sliding windows shorter than the sequence, soft-capping, attention sinks, attention dropout,
+implementations other than SDPA, and generation.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..distributed.agreement import agreed
+from ..distributed.ring import Ring
+from ..distributed.sequence import SequenceLayout
+from ..errors import HfRtpError, SettingError
+from ..layers.attention import ring_attention
+from ..private.transformers_names import attention_implementation, set_attention_implementation
+from .state import rotated_module, state_of
+
+ATTENTION = "hf_rtp_context"
+"""the attention implementation a model's config names inside the block (transformers' AttentionInterface)"""
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ContextRun:
+    """One `with` block: the model, its ring and how the sequence is cut."""
+
+    model: nn.Module
+    ring: Ring
+    layout: SequenceLayout
+    control: dist.ProcessGroup | None
+    graphs: int = 0
+    """ring attentions run with autograd recording in this block"""
+    backward_ran: bool = False
+    checked: set = field(default_factory=set)
+
+    @property
+    def rank(self) -> int:
+        return self.ring.rank
+
+    def positions(self, device) -> torch.Tensor:
+        return self.layout.positions(self.rank, device)
+
+
+_ACTIVE: contextvars.ContextVar[ContextRun | None] = contextvars.ContextVar("hf_rtp_context", default=None)
+
+
+def active(model: nn.Module) -> ContextRun | None:
+    """The block `model` is running in, if any."""
+    run = _ACTIVE.get()
+    return run if run is not None and run.model is model else None
+
+
+def refuse_inside(model: nn.Module, call: str) -> None:
+    if active(model) is not None:
+        raise SettingError(
+            f"{call} inside a context-parallel block is not supported: generation needs each rank's whole "
+            "sequence. Call it outside the block (the model is then an ordinary rotated model)"
+        )
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface under the name ATTENTION: ring attention inside a block."""
+    run = _ACTIVE.get()
+    if run is None:  # the name outlived its block (it never should): vanilla's SDPA, on this rank's tokens
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    _check_attention(run, module, query, attention_mask, dropout, kwargs)
+    out = ring_attention(query, key, value, scaling, run.ring, run.layout)
+    if out.requires_grad:
+        run.graphs += 1
+        out.register_hook(lambda grad: _backward_seen(run, grad))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _backward_seen(run: ContextRun, grad):
+    run.backward_ran = True
+    return grad
+
+
+def _check_attention(run: ContextRun, module, query, attention_mask, dropout, kwargs) -> None:
+    """What the ring attention does not compute, refused by name (the same on every rank: it is the model's)."""
+    name = type(module).__name__
+    reasons = []
+    if attention_mask is not None:
+        reasons.append("a 4-D attention mask (only the causal mask of one whole sequence is supported)")
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        reasons.append("non-causal attention")
+    if module.training and dropout:
+        reasons.append(f"attention dropout ({dropout}); set config.attention_dropout = 0.0")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < run.layout.length:
+        reasons.append(f"a sliding window of {window} tokens, shorter than the sequence ({run.layout.length})")
+    if kwargs.get("softcap") is not None:
+        reasons.append("attention logit soft-capping")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        reasons.append("attention sinks")
+    if query.shape[2] != run.layout.local_length(run.rank):
+        reasons.append(
+            f"{query.shape[2]} query tokens where this rank holds {run.layout.local_length(run.rank)} of the sequence"
+        )
+    if query.device.type != "cpu":
+        reasons.append(f"{query.device.type} tensors (ring attention runs SDPA's CPU flash kernel)")
+    if reasons:
+        raise SettingError(f"context parallelism: {name} uses " + "; ".join(reasons))
+
+
+def _mask(*args, **kwargs):
+    """The mask interface under ATTENTION: no mask, the ring attention is causal over global positions
+    (forward checks the 2-D mask is all ones, on every rank together)."""
+    return None
+
+
+ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _attention)  # a new name: no other model's attention changes
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, _mask)
+
+
+def _check_inputs(run: ContextRun, kwargs: dict) -> None:
+    """This rank's inputs inside a block, or SettingError naming what is wrong (agreed by the caller)."""
+    local = run.layout.local_length(run.rank)
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is not None and tokens.shape[1] != local:
+        raise SettingError(
+            f"context parallelism: rank {run.rank} was given {tokens.shape[1]} tokens, but holds {local} of the "
+            f"{run.layout.length}-token sequence: shard every buffer with a seq dim inside the block"
+        )
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise SettingError(
+            "context parallelism needs the sequence's global position_ids among the sharded buffers (Trainer "
+            "adds them; hf_rtp.context_parallel(model, batch) adds them; with maybe_context_parallel, add "
+            "torch.arange(seq_len) expanded to the batch to `buffers`)"
+        )
+    want = run.positions(positions.device)
+    if positions.shape[-1] != local or not bool((positions == want).all()):
+        raise SettingError(
+            f"context parallelism: rank {run.rank}'s position_ids are not its share of 0..{run.layout.length - 1}. "
+            "Packed sequences (position_ids that restart) and offsets are not supported with context parallelism: "
+            "give one sequence per row, positions 0..S-1"
+        )
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
+        raise SettingError(
+            "context parallelism supports the causal mask of whole sequences only: this attention_mask pads or "
+            "masks tokens (pad to the same length without padding tokens, or pack without padding)"
+        )
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise SettingError(
+            "context parallelism needs shift_labels (labels shifted before sharding: a chunk's last token's "
+            "target lies in another chunk). Trainer and hf_rtp.context_parallel(model, batch) add them; with "
+            "maybe_context_parallel, add F.pad(labels, (0, 1), value=-100)[:, 1:] to the batch and to `buffers`"
+        )
+    if kwargs.get("past_key_values") is not None:
+        raise SettingError("context parallelism does not take past_key_values (a cache): it trains whole sequences")
+    config = getattr(run.model, "config", None)
+    if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
+        raise SettingError(
+            "context parallelism with output_router_logits=True is not supported: the router's auxiliary loss is "
+            "computed over each rank's tokens, not the sequence's. Set output_router_logits=False"
+        )
+
+
+def forward(run: ContextRun, plain, kwargs: dict):
+    """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's."""
+    with agreed(run.control, SettingError):
+        _check_inputs(run, kwargs)
+    if kwargs.get("labels") is None or kwargs.get("num_items_in_batch") is not None:
+        return plain(**kwargs)  # Trainer: num_items_in_batch counts the sequence; it scales the loss itself
+    count = (kwargs["shift_labels"] != IGNORE_INDEX).sum()
+    if run.ring.group is not None:
+        dist.all_reduce(count, group=run.ring.group)
+    out = plain(**{**kwargs, "num_items_in_batch": count})
+    loss = out[0] if isinstance(out, tuple) else out.loss
+    if run.ring.group is not None:
+        loss = dist_fn.all_reduce(loss, group=run.ring.group)  # its backward sums the ranks' gradients too
+    if isinstance(out, tuple):
+        return (loss, *out[1:])
+    out.loss = loss
+    return out
+
+
+@contextmanager
+def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterator[ContextRun]:
+    """Activate ring attention for one block over a sequence of `length` tokens."""
+    state = state_of(model)
+    topology, ring = state.topology, state.topology.ring
+    inner = rotated_module(model)
+    assert inner is not None  # state_of found it
+    config = inner.config
+    if cp_size is not None and cp_size != ring.size:
+        raise SettingError(
+            f"cp_size={cp_size}, but the model's ring has {ring.size} ranks: hf_rtp runs context parallelism over "
+            f"the ring, so cp_size must equal it (load with rtp_size={cp_size} for rings of {cp_size} ranks, each "
+            "ring its own sequence); several data groups on one ring are not supported"
+        )
+    implementation = attention_implementation(config)
+    if implementation != "sdpa":
+        raise SettingError(
+            f"context parallelism runs SDPA's kernels, and this model's attention is {implementation!r}: load it "
+            "with attn_implementation='sdpa'"
+        )
+    run = ContextRun(inner, ring, SequenceLayout(length, ring.size), topology.control)
+    token = _ACTIVE.set(run)
+    set_attention_implementation(config, ATTENTION)
+    try:
+        yield run
+    finally:
+        set_attention_implementation(config, implementation)
+        _ACTIVE.reset(token)
+    if run.graphs and not run.backward_ran and torch.is_grad_enabled():
+        raise HfRtpError(
+            "a context-parallel block ran a training forward but not its backward: call loss.backward() "
+            "(accelerator.backward(loss)) inside the block, where the ring attention still knows the sequence; "
+            "for a forward you do not backpropagate, use torch.no_grad()"
+        )
+
+
+def agree(run: ContextRun, buffers: Sequence[torch.Tensor], topology) -> None:
+    """Every rank of the ring holds the same sequence: lengths, shapes and a checksum of the buffers' values,
+    compared on every rank at once, every difference named."""
+    topology.enter("context_parallel")
+    shapes = [tuple(b.shape) for b in buffers]
+    digest = 0
+    for b in buffers:
+        digest = zlib.crc32(b.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), digest)
+    mine = (run.layout.length, shapes, digest)
+    if run.control is None:
+        return
+    everyone: list = [None] * dist.get_world_size(run.control)
+    dist.all_gather_object(everyone, mine, group=run.control)
+    ring_ranks = [dist.get_global_rank(run.ring.group, r) for r in range(run.ring.size)] if run.ring.group else [0]
+    seen = {r: everyone[r] for r in ring_ranks}
+    if len({(s[0], str(s[1])) for s in seen.values()}) > 1:
+        raise SettingError(
+            "context parallelism: the ranks of a ring were given different sequences: "
+            + "; ".join(f"rank {r}: {s[0]} tokens, buffer shapes {s[1]}" for r, s in seen.items())
+            + ". Every rank of a ring must get the same batch"
+        )
+    if len({s[2] for s in seen.values()}) > 1:
+        raise SettingError(
+            "context parallelism: the ranks of a ring were given different tokens ("
+            + ", ".join(f"rank {r}: checksum {s[2]:08x}" for r, s in seen.items())
+            + "). Every rank of a ring must get the same batch: one sequence is cut across the ring "
+            "(accelerate's and Trainer's data loaders do this for cp_size; a plain loop must too)"
+        )
+
+
+@contextmanager
+def sharded(
+    model: nn.Module,
+    buffers: Sequence[torch.Tensor],
+    buffer_seq_dims: Sequence[int],
+    no_restore_buffers: set | None = None,
+    cp_size: int | None = None,
+) -> Iterator[None]:
+    """accelerate's `maybe_context_parallel` contract on a rotated model: `buffers` cut in place along their
+    sequence dims for the block, restored after it unless in `no_restore_buffers`."""
+    if len(buffers) != len(buffer_seq_dims):
+        raise SettingError(f"{len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
+    lengths = {b.shape[d] for b, d in zip(buffers, buffer_seq_dims, strict=True)}
+    if len(lengths) != 1:
+        raise SettingError(f"the buffers' sequence dims differ in length: {sorted(lengths)}")
+    state = state_of(model)
+    if state.topology.ring.size == 1:
+        if cp_size not in (None, 1):
+            raise SettingError(f"cp_size={cp_size} needs a ring of {cp_size} ranks; this model's ring has one")
+        yield
+        return
+    keep = no_restore_buffers or set()
+    with running(model, lengths.pop(), cp_size) as run:
+        agree(run, buffers, state.topology)
+        saved = [(b, b.clone()) for b in buffers if not any(b is k for k in keep)]
+        for b, d in zip(buffers, buffer_seq_dims, strict=True):
+            local = run.layout.shard(b, d, run.rank)
+            b.resize_(local.shape).copy_(local)
+        try:
+            yield
+        finally:
+            for b, original in saved:
+                b.resize_(original.shape).copy_(original)
+
+
+@contextmanager
+def context_parallel(model: nn.Module, batch: dict) -> Iterator[dict]:
+    """One sequence across the ring for a plain training loop: every rank passes the same `batch`.
+
+        with hf_rtp.context_parallel(model, batch):
+            loss = model(**batch).loss  # vanilla's loss over the whole sequence, on every rank
+            loss.backward()             # inside the block
+
+    Adds what Trainer's context parallelism adds (position_ids 0..S-1, and shift_labels from labels), when
+    absent; cuts every tensor of the batch whose dim 1 is the sequence into this rank's chunks (r and
+    2N-1-r of 2N); puts the batch's own tensors back after the block. Every rank of the ring must be given
+    the same batch (checked). A ring of one runs the batch unchanged."""
+    tokens = batch.get("input_ids")
+    if tokens is None:
+        tokens = batch.get("inputs_embeds")
+    if tokens is None:
+        raise SettingError("hf_rtp.context_parallel needs input_ids or inputs_embeds in the batch")
+    length = tokens.shape[1]
+    original = dict(batch)
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = torch.arange(length, device=tokens.device).expand(tokens.shape[0], -1).contiguous()
+    if batch.get("labels") is not None and batch.get("shift_labels") is None:
+        batch["shift_labels"] = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+    names = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == length]
+    for name in names:
+        batch[name] = batch[name].clone()  # cut in place below: the caller's tensors stay whole
+    try:
+        with sharded(model, [batch[n] for n in names], [1] * len(names), set(batch[n] for n in names)):
+            yield batch
+    finally:
+        batch.clear()
+        batch.update(original)
