@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.compare import GRAD_ATOL, GRAD_RTOL, STEP_ATOL, adamw, assert_matches
+from support.compare import (
+    GRAD_ATOL,
+    GRAD_RTOL,
+    STEP_ATOL,
+    adamw,
+    assert_matches,
+    rows,
+    trainable_grad_gaps,
+    vanilla_training_path,
+)
 from support.models import VOCAB, make_tiny
 from support.spawn import run_on_ranks
 
@@ -24,43 +33,86 @@ def _batch(seq: int, batch: int = 2, seed: int = 3) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _against_vanilla(ckpt, seq, checkpointing, lora=False, piece="16MB"):
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)  # the same adapters on both: B not zero, so every adapter has a gradient
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+
+
+def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
+    """One training step of hf_rtp under context parallelism beside vanilla's on the whole sequence.
+
+    variant: "plain" (float64), "lora" (PEFT adapters), "unfused" (fused_loss=False: each rank's logits),
+    "autocast" (float32 weights, bf16 autocast: bf16 partial outputs, so bf16-sized gaps), "qlora" (an NF4
+    base from quantization_config with float32 LoRA adapters; vanilla on its training path)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
 
-    model = hf_rtp.from_pretrained(
-        ckpt, dtype=torch.float64, attn_implementation="sdpa", rotation_piece_size=piece
-    ).train()
+    dtype = torch.float64 if variant in ("plain", "lora", "unfused") else torch.float32
+    options: dict = dict(dtype=dtype, attn_implementation="sdpa")
+    if "mixtral" in ckpt:
+        options["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
+    if variant == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        options["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    extra = {"fused_loss": False} if variant == "unfused" else {}
+    model = hf_rtp.from_pretrained(ckpt, rotation_piece_size=piece, **extra, **options).train()
     world, rank = dist.get_world_size(), dist.get_rank()
-    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    ref = vanilla_training_path(AutoModelForCausalLM.from_pretrained(ckpt, **options)).train()
     if checkpointing:
         model.gradient_checkpointing_enable()
         ref.gradient_checkpointing_enable()
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        adapters = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-        model, ref = get_peft_model(model, adapters), get_peft_model(ref, adapters)
+    if variant in ("lora", "qlora"):
+        model, ref = _lora(model), _lora(ref)
     optimizers = adamw(model, ref)
     batch = _batch(seq)
     given = {k: v.clone() for k, v in batch.items()}
-    with hf_rtp.context_parallel(model, batch):
-        assert batch["input_ids"].shape[1] < seq  # this rank's chunks, inside the block
-        loss = model(**batch).loss
-        loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
+        with hf_rtp.context_parallel(model, batch):
+            assert batch["input_ids"].shape[1] < seq  # this rank's chunks, inside the block
+            loss = model(**batch).loss
+            loss.backward()
+        ref_loss = ref(**given).loss
+        ref_loss.backward()
     assert all(torch.equal(batch[k], given[k]) for k in given) and set(batch) == set(given)  # put back
-    ref_loss = ref(**given).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, atol=1e-7, rtol=1e-6)  # the fused loss sums in float32
     hf_rtp.sync_grads(model)
-    assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    if variant == "autocast":  # bf16 partial outputs merged in float32, where vanilla rounds once
+        torch.testing.assert_close(loss, ref_loss, atol=2e-3, rtol=2e-3)
+        gaps = trainable_grad_gaps_rows(model, ref, world, rank)
+        assert all(gap <= 2e-3 + 5e-2 * scale for gap, scale in gaps.values()), gaps
+        return loss.item()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-7, rtol=1e-6)  # the fused loss sums in float32
+    if variant == "qlora":
+        gaps = trainable_grad_gaps(model, ref)
+        assert sum("lora_A" in n for n in gaps) == 10 and all(s > 0 for _, s in gaps.values())
+        assert all(gap <= 1e-7 + 1e-5 * scale for gap, scale in gaps.values()), gaps
+        return loss.item()
+    assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL, trainable=True)
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad()
     assert_matches(model, ref, world, rank, "param", atol=STEP_ATOL)
     return loss.item()
+
+
+def trainable_grad_gaps_rows(model, ref, world, rank):
+    """(largest gap, largest vanilla gradient) of every trainable parameter, rotated ones as this rank's rows."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(ref.named_parameters())
+    gaps = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            mine, want = p.grad, theirs[name].grad
+            if isinstance(p, DTensor):
+                mine, want = mine.to_local(), want[rows(p, world, rank)]
+            gaps[name] = ((mine.float() - want.float()).abs().max().item(), want.abs().max().item())
+    return gaps
 
 
 @pytest.mark.parametrize(
@@ -73,5 +125,97 @@ def test_one_sequence_across_the_ring_is_vanillas(tmp_path, world, seq, checkpoi
     K/V blocks walk the ring two tokens at a time, so a block's keys start inside a chunk of queries."""
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     ckpt = make_tiny("llama", tmp_path / "ckpt", rope_parameters=rope)
-    losses = run_on_ranks(_against_vanilla, world, ckpt, seq, checkpointing, False, piece)
+    losses = run_on_ranks(_against_vanilla, world, ckpt, seq, checkpointing, piece)
     assert len(set(losses)) == 1  # every rank reports the sequence's loss
+
+
+@pytest.mark.parametrize(
+    "arch,world,seq,variant,checkpointing",
+    [
+        ("llama", 2, 11, "lora", True),
+        ("llama", 3, 10, "unfused", False),
+        ("llama", 2, 13, "autocast", True),
+        ("llama", 2, 11, "qlora", True),
+        ("mixtral", 2, 9, "plain", False),
+        ("qwen2", 3, 14, "plain", True),
+        ("gpt2", 2, 11, "plain", False),
+    ],
+    ids=lambda v: str(v),
+)
+def test_the_configurations_beside_it(tmp_path, arch, world, seq, variant, checkpointing):
+    """LoRA, each rank's own logits (fused_loss=False), bf16 autocast, QLoRA with checkpointing, Mixtral's
+    experts (router aux loss off: see the refusals), Qwen2's q/k/v biases, GPT-2's learned positions."""
+    overrides = {"output_router_logits": False} if arch == "mixtral" else {}
+    if variant == "qlora":  # rows of 64 values: each rank's rows quantize as the whole weight does
+        overrides.update(hidden_size=64, intermediate_size=128, head_dim=16)
+    ckpt = make_tiny(arch, tmp_path / arch, **overrides)
+    losses = run_on_ranks(_against_vanilla, world, ckpt, seq, checkpointing, "16MB", variant)
+    assert len(set(losses)) == 1
+
+
+def _refusals(llama, qwen_window, mixtral_aux):
+    import torch.distributed as dist
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(llama, dtype=torch.float64, attn_implementation="sdpa").train()
+    rank = dist.get_rank()
+    seen = {}
+
+    def refused(batch, match, error=hf_rtp.SettingError, target=None):
+        with pytest.raises(error, match=match), hf_rtp.context_parallel(target or model, batch):
+            (target or model)(**batch).loss.backward()
+        assert (target or model).config._attn_implementation == "sdpa"  # set back after a refused block
+        seen[match] = True
+
+    padded = _batch(11)
+    padded["attention_mask"] = torch.ones_like(padded["input_ids"])
+    padded["attention_mask"][0, -3:] = 0
+    refused(padded, "pads or masks")
+    packed = _batch(11)
+    packed["position_ids"] = torch.cat([torch.arange(6), torch.arange(5)]).expand(2, -1).contiguous()
+    refused(packed, "Packed sequences")
+    refused(_batch(11, seed=3 + rank), "different tokens")  # a plain loop that gave ranks their own data
+    refused(_batch(11 + rank), "different sequences")
+
+    with pytest.raises(hf_rtp.HfRtpError, match="but not its backward"):
+        batch = _batch(11)
+        with hf_rtp.context_parallel(model, batch):
+            loss = model(**batch).loss  # and loss.backward() after the block, where it would be wrong
+    assert loss.requires_grad
+    with pytest.raises(hf_rtp.SettingError, match="generate"):
+        batch = _batch(11)
+        with hf_rtp.context_parallel(model, batch):
+            model.generate(batch["input_ids"], max_new_tokens=2)
+
+    dropout = hf_rtp.from_pretrained(llama, dtype=torch.float64, attention_dropout=0.1).train()
+    refused(_batch(11), "attention dropout", target=dropout)
+    eager = hf_rtp.from_pretrained(llama, dtype=torch.float64, attn_implementation="eager").train()
+    with (
+        pytest.raises(hf_rtp.SettingError, match="attn_implementation='sdpa'"),
+        hf_rtp.context_parallel(eager, {**_batch(11)}),
+    ):
+        pass
+    window = hf_rtp.from_pretrained(qwen_window, dtype=torch.float64, attn_implementation="sdpa").train()
+    refused(_batch(11), "sliding window of 4 tokens", target=window)
+    aux = hf_rtp.from_pretrained(mixtral_aux, dtype=torch.float64, experts_implementation="eager").train()
+    refused(_batch(11), "output_router_logits", target=aux)
+
+    batch = _batch(11)  # after every refusal the ring still trains
+    with hf_rtp.context_parallel(model, batch):
+        loss = model(**batch).loss
+        loss.backward()
+    with torch.no_grad():  # outside a block the model is an ordinary rotated model again
+        plain = model(**_batch(11)).loss
+    return len(seen), loss.item(), plain.item()
+
+
+def test_what_it_does_not_compute_is_refused_on_every_rank_by_name(tmp_path):
+    """Padding, packing, ranks given different sequences, a backward left outside the block, generate,
+    attention dropout, eager attention, a sliding window shorter than the sequence, the router's aux loss."""
+    llama = make_tiny("llama", tmp_path / "llama")
+    window = make_tiny("qwen2", tmp_path / "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    mixtral = make_tiny("mixtral", tmp_path / "mixtral")
+    results = run_on_ranks(_refusals, 2, llama, window, mixtral)
+    assert [r[0] for r in results] == [7, 7]
+    assert results[0][1] == results[1][1]

@@ -29,12 +29,15 @@ def rows(param, world, rank):
     return slice(*chunk_rows(param.shape[0], world, rank))
 
 
-def assert_matches(model, ref, world, rank, what, atol=ATOL, rtol=RTOL):
-    """Every parameter (or its grad) equals vanilla's; rotated ones as this rank's rows of it."""
+def assert_matches(model, ref, world, rank, what, atol=ATOL, rtol=RTOL, trainable=False):
+    """Every parameter (or its grad) equals vanilla's; rotated ones as this rank's rows of it (with
+    `trainable`, only the parameters that require grad: adapters over a frozen base)."""
     from torch.distributed.tensor import DTensor
 
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for name, p in model.named_parameters(remove_duplicate=False):
+        if trainable and not p.requires_grad:
+            continue
         mine = p if what == "param" else p.grad
         theirs = ref_params[name] if what == "param" else ref_params[name].grad
         assert mine is not None and theirs is not None, f"{name}: missing {what}"
