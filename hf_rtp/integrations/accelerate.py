@@ -28,9 +28,16 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from .. import log
 from ..checkpoint.resume import load_training_state, save_training_state
-from ..errors import IntegrationError, TopologyError
-from ..model.state import rotated_module, state_of
-from ..private.accelerate_names import prepared, set_prepared, state_exists
+from ..errors import IntegrationError, SettingError, TopologyError
+from ..model.context import sharded
+from ..model.state import is_rotated, rotated_module, state_of
+from ..private.accelerate_names import (
+    on_the_ring,
+    prepare_context_parallel,
+    prepared,
+    set_prepared,
+    state_exists,
+)
 from ..settings import collective_timeout
 
 STATE_DIR = "hf_rtp_state_{}"
@@ -76,17 +83,43 @@ def _training_arguments_exist() -> bool:
 
 
 class Accelerator(accelerate.Accelerator):
-    def __init__(self, *args, cpu: bool | None = None, kwargs_handlers=None, **kwargs):
+    """accelerate's Accelerator for rotated models: their state saved and loaded whole, hf_rtp's timeout on
+    accelerate's waits, and `ParallelismConfig(cp_size=N)` as context parallelism on the model's ring (on the
+    CPU too, where accelerate refuses any ParallelismConfig): `maybe_context_parallel` cuts the buffers and
+    runs the ring attention (model/context.py), where accelerate's would do nothing for a model not under FSDP2."""
+
+    def __init__(self, *args, cpu: bool | None = None, kwargs_handlers=None, parallelism_config=None, **kwargs):
         handlers = list(kwargs_handlers or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             # accelerate's own waits (wait_for_everyone, DDP's all-reduce, gather) run on the world
             # group it creates, 30 minutes by default: give them hf_rtp's timeout, so a stopped rank
             # ends the run within HF_RTP_TIMEOUT wherever the others wait for it
             handlers.append(InitProcessGroupKwargs(timeout=collective_timeout()))
+        if parallelism_config is not None:
+            refuse_other_dimensions(parallelism_config)
+            parallelism_config = on_the_ring(parallelism_config)
         super().__init__(
-            *args, cpu=not torch.cuda.is_available() if cpu is None else cpu, kwargs_handlers=handlers, **kwargs
+            *args,
+            cpu=not torch.cuda.is_available() if cpu is None else cpu,
+            kwargs_handlers=handlers,
+            parallelism_config=parallelism_config,
+            **kwargs,
         )
         self.__dict__[_ADOPTED] = True
+
+    def _prepare_cp(self, *args):
+        # torch's context_parallel (accelerate's backend) runs CUDA SDPA under FSDP2; a rotated model's is the ring's
+        rotated = [a for a in args if isinstance(a, torch.nn.Module) and is_rotated(a)]
+        if not rotated:
+            return prepare_context_parallel(self, args)
+        for model in rotated:
+            check_cp_size(self.parallelism_config.cp_size, state_of(model).topology.ring.size)
+        return args
+
+    @contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        with maybe_context_parallel(self, buffers, buffer_seq_dims, no_restore_buffers):
+            yield
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         state = state_of(model, required=False)
@@ -105,7 +138,51 @@ class Accelerator(accelerate.Accelerator):
 
 
 _ADOPTED = "_hf_rtp_adopted"
-_REPLACED = ("save_state", "load_state", "save_model")
+_REPLACED = ("save_state", "load_state", "save_model", "maybe_context_parallel")
+
+
+def refuse_other_dimensions(config) -> None:
+    """What a ParallelismConfig asks that a rotated model does not do: TP and SP have their own groups and layouts,
+    and hf_rtp's ring already holds 1/N of the model. Beside cp_size, accelerate accepts only dp_shard_size (it
+    refuses cp with dp_replicate_size): on a rotated model those are rings side by side, each its own data
+    (hf_rtp.from_pretrained(..., rtp_size=cp_size)), not FSDP shards; each rank holds 1/cp_size of the model."""
+    asked = {n: getattr(config, n, 1) for n in ("tp_size", "sp_size")}
+    other = {n: v for n, v in asked.items() if v not in (None, 1)}
+    if other:
+        raise SettingError(
+            "hf_rtp.Accelerator takes ParallelismConfig(cp_size=..., dp_shard_size=...) only: "
+            + ", ".join(f"{n}={v}" for n, v in other.items())
+            + " shards the model another way, where the ring already holds 1/N of it"
+        )
+    if getattr(config, "cp_size", 1) > 1 and (getattr(config, "dp_shard_size", 1) or 1) > 1:
+        log.info(
+            f"ParallelismConfig(cp_size={config.cp_size}, dp_shard_size={config.dp_shard_size}) on rotated models: "
+            f"{config.dp_shard_size} rings of {config.cp_size} ranks, each its own sequences, each rank "
+            f"1/{config.cp_size} of the model (the ring's rows, not FSDP shards)"
+        )
+
+
+def check_cp_size(cp_size: int, ring_size: int) -> None:
+    if cp_size not in (1, ring_size):
+        raise SettingError(
+            f"ParallelismConfig(cp_size={cp_size}), but the model's ring has {ring_size} ranks: hf_rtp runs context "
+            f"parallelism over the ring, so cp_size must equal it (hf_rtp.from_pretrained(..., rtp_size={cp_size}) "
+            f"for rings of {cp_size} ranks, dp_shard_size rings side by side). Several data groups on one ring "
+            "are not supported"
+        )
+
+
+@contextmanager
+def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+    """accelerate's `maybe_context_parallel`, on the rotated model this accelerator prepared: the ring's."""
+    config = self.parallelism_config
+    model = next((m for m in prepared(self)[0] if is_rotated(m)), None)
+    if model is None or config is None or not config.cp_enabled:
+        with accelerate.Accelerator.maybe_context_parallel(self, buffers, buffer_seq_dims, no_restore_buffers):
+            yield
+        return
+    with sharded(model, buffers or [], buffer_seq_dims or [], no_restore_buffers, cp_size=config.cp_size):
+        yield
 
 
 def adopt_caller(model) -> None:

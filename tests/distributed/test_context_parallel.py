@@ -8,6 +8,8 @@ an AdamW step vanilla's, in float64, at 2 and 3 ranks, with sequence lengths tha
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from support.compare import (
@@ -29,7 +31,7 @@ def _batch(seq: int, batch: int = 2, seed: int = 3) -> dict:
     ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
     labels = ids.clone()
     labels[0, :4] = -100  # a prompt: its tokens carry no loss
-    labels[1, -2:] = -100
+    labels[-1, -2:] = -100
     return {"input_ids": ids, "labels": labels}
 
 
@@ -219,3 +221,139 @@ def test_what_it_does_not_compute_is_refused_on_every_rank_by_name(tmp_path):
     results = run_on_ranks(_refusals, 2, llama, window, mixtral)
     assert [r[0] for r in results] == [7, 7]
     assert results[0][1] == results[1][1]
+
+
+def _accelerate_loop(ckpt, cp_size, world):
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    replicas = world // cp_size
+    config = ParallelismConfig(cp_size=cp_size, dp_shard_size=replicas)  # accelerate refuses cp with dp_replicate
+    accelerator = hf_rtp.Accelerator(parallelism_config=config)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa", rtp_size=cp_size).train()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    sequences = [{k: v[0] for k, v in _batch(11, batch=1, seed=s).items()} for s in range(3 * replicas)]
+    optimizer, ref_optimizer = adamw(model, ref)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(sequences, batch_size=1))
+    losses = []
+    for batch in loader:
+        # what Trainer adds before it hands the buffers to maybe_context_parallel
+        batch["shift_labels"] = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()
+        batch["position_ids"] = torch.arange(11).unsqueeze(0).contiguous()
+        given = {k: v.clone() for k, v in batch.items()}
+        buffers = [batch[k] for k in ("input_ids", "labels", "shift_labels", "position_ids")]
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 4, no_restore_buffers=set()):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+        assert torch.equal(batch["input_ids"], given["input_ids"])  # restored: not in no_restore_buffers
+        optimizer.step()
+        optimizer.zero_grad()
+        everyone: list = [None] * world  # vanilla trains every replica's sequence: DDP's mean over replicas
+        dist.all_gather_object(everyone, given)
+        ref_losses = [ref(input_ids=b["input_ids"], labels=b["labels"]).loss for b in everyone[::cp_size]]
+        torch.stack(ref_losses).mean().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        assert all(
+            torch.equal(b["input_ids"], given["input_ids"])
+            for b in everyone[dist.get_rank() // cp_size * cp_size :][:cp_size]
+        )
+        torch.testing.assert_close(loss, ref_losses[dist.get_rank() // cp_size], atol=1e-7, rtol=1e-6)
+        losses.append(loss.item())
+    topology = hf_rtp.state_of(model).topology
+    assert_matches(accelerator.unwrap_model(model), ref, topology.rtp_size, topology.rtp_rank, "param", atol=STEP_ATOL)
+    return losses
+
+
+@pytest.mark.parametrize("world,cp_size", [(2, 2), (4, 2)], ids=["one-ring", "two-rings-of-2"])
+def test_accelerate_parallelism_config_cp_size_trains_as_vanilla_on_the_cpu(tmp_path, world, cp_size):
+    """`hf_rtp.Accelerator(parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=...))`, accepted on
+    MULTI_CPU for hf_rtp's own Accelerator. accelerate's DataLoader gives the ranks of a ring the same sequence
+    (checked by hf_rtp at each step) and the rings of a 2-D grid their own; three steps equal vanilla's."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    losses = run_on_ranks(_accelerate_loop, world, ckpt, cp_size, world)
+    assert all(len(r) == 3 for r in losses) and losses[0] == losses[1]
+
+
+class _Sequences(torch.utils.data.Dataset):
+    def __init__(self, n, seq):
+        self.items = [{k: v[0] for k, v in _batch(seq, batch=1, seed=s).items()} for s in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _trainer_step(ckpt, out, through_arguments):
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    import hf_rtp
+
+    config = ParallelismConfig(cp_size=2)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa")
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=1,
+        per_device_train_batch_size=1,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        parallelism_config=config if through_arguments else None,
+    )
+    if not through_arguments:  # after TrainingArguments, which resets accelerate's shared state
+        hf_rtp.Accelerator(parallelism_config=config)  # which then carries a config accelerate accepted
+
+    class Losses(TrainerCallback):
+        seen: ClassVar[list] = []
+        grads: ClassVar[dict] = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.seen.append(logs["loss"])
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    data = _Sequences(2, 11)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Losses()])
+    assert trainer.get_cp_size() == 2 and trainer.accelerator.parallelism_config.cp_enabled
+    trainer.train()
+    (logged,) = Losses.seen
+    # vanilla's step on whichever sequence Trainer's sampler drew (both ranks drew the same: hf_rtp checks)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    with torch.no_grad():
+        candidates = [ref(**{k: v[None] for k, v in item.items()}).loss.item() for item in data.items]
+    drawn = min(range(len(candidates)), key=lambda i: abs(candidates[i] - logged))
+    assert abs(candidates[drawn] - logged) < 1e-6, (logged, candidates)
+    ref(**{k: v[None] for k, v in data.items[drawn].items()}).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), args.max_grad_norm)  # Trainer clips before the step
+    topology = hf_rtp.state_of(model).topology
+    for name, grad in Losses.grads.items():  # what Trainer's optimizer stepped with: DDP's, the ring's
+        want = ref.get_parameter(name).grad
+        if hasattr(grad, "to_local"):
+            grad, want = grad.to_local(), want[rows(grad, topology.rtp_size, topology.rtp_rank)]
+        torch.testing.assert_close(grad, want, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert len(Losses.grads) == len(list(ref.parameters()))
+    return logged
+
+
+def test_trainer_with_cp_size_trains_as_vanilla_where_accelerate_accepts_it(tmp_path):
+    """On the CPU accelerate 1.15 refuses TrainingArguments(parallelism_config=...) before hf_rtp sees the
+    Trainer; built after hf_rtp.Accelerator(parallelism_config=...), Trainer's own accelerator shares the
+    config accelerate accepted, and Trainer's context-parallel path (position_ids, shift_labels, the count
+    of label tokens divided by cp_size, the loss times the processes) runs on the ring: vanilla's step."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="ParallelismConfig is only compatible"):
+        run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "refused"), True, attempts=1)
+    logged = run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "out"), False)
+    assert logged[0] == logged[1]
