@@ -28,6 +28,7 @@ _CALLS = {
         "resize_token_embeddings",
         "full_tensor",
         "redistribute",
+        "context_parallel",
     )
 }
 

@@ -357,3 +357,39 @@ def test_trainer_with_cp_size_trains_as_vanilla_where_accelerate_accepts_it(tmp_
         run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "refused"), True, attempts=1)
     logged = run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "out"), False)
     assert logged[0] == logged[1]
+
+
+def _skip_and_save(ckpt, out):
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    rank = dist.get_rank()
+    batch = _batch(11)
+    if rank == 0:  # rank 1 skipped this step and went on to a plain forward
+        with (
+            pytest.raises(hf_rtp.CollectiveMisuseError, match="rank 1: forward"),
+            hf_rtp.context_parallel(model, batch),
+        ):
+            model(**batch).loss.backward()
+    else:
+        with pytest.raises(hf_rtp.CollectiveMisuseError, match="rank 0: context_parallel"):
+            model(**_batch(11))
+    batch = _batch(11)
+    with hf_rtp.context_parallel(model, batch):  # and the ring still trains
+        model(**batch).loss.backward()
+    model.save_pretrained(out)  # a checkpoint of the ring's rows, whatever the context: vanilla's format
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.state_dict().items()}
+    if rank == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+        assert all(torch.equal(t, full[n]) for n, t in reloaded.state_dict().items())
+    return os.path.isdir(out)
+
+
+def test_a_rank_that_skips_a_step_is_named_at_once_and_the_checkpoint_is_vanillas(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert run_on_ranks(_skip_and_save, 2, ckpt, str(tmp_path / "saved")) == [True, True]
