@@ -37,8 +37,9 @@ from packaging.version import Version
 from torch import nn
 
 from .. import log
-from ..errors import IntegrationError
+from ..errors import IntegrationError, SettingError
 from ..layers.common import local
+from ..model import context
 from ..model.fused_head import read_head, token_losses
 from ..model.state import is_rotated, state_of
 from ..private.transformers_names import attention_implementation
@@ -57,6 +58,7 @@ def adopt(trainer, model=None) -> None:
     hierarchy through hf_rtp; first, refuse a rotated `model` other than the one the trainer was asked to build."""
     if model is not None:
         check_model_keywords(trainer, model)
+    _refuse_context_parallel_beyond_sft(trainer)
     _warn_whole_reward_models(trainer)
     _warn_whole_references(trainer)
     modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
@@ -84,6 +86,22 @@ def adopt(trainer, model=None) -> None:
                 routed = functools.wraps(original)(functools.partial(replacement, original=original))
                 setattr(routed, _ORIGINAL, original)
                 setattr(module, name, routed)
+
+
+def _refuse_context_parallel_beyond_sft(trainer) -> None:
+    """TRL's other trainers (DPO, GRPO, reward) reduce log-probabilities per sequence, of which each rank holds only
+    its chunks under context parallelism: their losses would be every rank's part, silently. SFTTrainer's is
+    Trainer's token mean, which hf_rtp's context parallelism makes the sequence's."""
+    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    trl_classes = [cls.__name__ for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
+    if config is None or not config.cp_enabled or not trl_classes:
+        return
+    if "SFTTrainer" not in trl_classes:
+        raise SettingError(
+            f"context parallelism (cp_size={config.cp_size}) with TRL's {type(trainer).__name__} is not supported on a "
+            "rotated model: its loss reduces log-probabilities per sequence, and each rank holds only part of every "
+            "sequence. hf_rtp runs context parallelism for Trainer and TRL's SFTTrainer"
+        )
 
 
 _ONE_LINE = (
@@ -304,6 +322,9 @@ def install(model, outputs: tuple[str, ...]) -> None:
         if not fused_lm_head:
             extra = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
             return plain_forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
+        run = context.active(self)
+        if run is not None:  # SFTTrainer under Trainer's context parallelism: it divides by Trainer's token count
+            context.check(run, {**kwargs, "labels": labels, "shift_labels": shift_labels})
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)

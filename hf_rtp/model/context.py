@@ -16,7 +16,6 @@ implementations other than SDPA, and generation.
 
 from __future__ import annotations
 
-import contextvars
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -64,12 +62,18 @@ class ContextRun:
         return self.layout.positions(self.rank, device)
 
 
-_ACTIVE: contextvars.ContextVar[ContextRun | None] = contextvars.ContextVar("hf_rtp_context", default=None)
+# The block running now, process-wide rather than per thread: autograd's device threads (CUDA's backward)
+# recompute checkpointed layers outside the thread that entered the block, and must see it too.
+_ACTIVE: list[ContextRun] = []
+
+
+def _current() -> ContextRun | None:
+    return _ACTIVE[0] if _ACTIVE else None
 
 
 def active(model: nn.Module) -> ContextRun | None:
     """The block `model` is running in, if any."""
-    run = _ACTIVE.get()
+    run = _current()
     return run if run is not None and run.model is model else None
 
 
@@ -83,9 +87,12 @@ def refuse_inside(model: nn.Module, call: str) -> None:
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention interface under the name ATTENTION: ring attention inside a block."""
-    run = _ACTIVE.get()
-    if run is None:  # the name outlived its block (it never should): vanilla's SDPA, on this rank's tokens
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    run = _current()
+    if run is None:  # a config that kept the name past its block (a copy made inside it): no sequence to attend to
+        raise HfRtpError(
+            f"{type(module).__name__} runs the attention implementation {ATTENTION!r} outside a context-parallel "
+            "block: a config copied inside the block kept it. Set config._attn_implementation = 'sdpa' on the copy"
+        )
     _check_attention(run, module, query, attention_mask, dropout, kwargs)
     out = ring_attention(query, key, value, scaling, run.ring, run.layout)
     if out.requires_grad:
@@ -183,10 +190,15 @@ def _check_inputs(run: ContextRun, kwargs: dict) -> None:
         )
 
 
-def forward(run: ContextRun, plain, kwargs: dict):
-    """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's."""
+def check(run: ContextRun, kwargs: dict) -> None:
+    """A forward's inputs inside a block, checked on every rank together: all go on, or all raise."""
     with agreed(run.control, SettingError):
         _check_inputs(run, kwargs)
+
+
+def forward(run: ContextRun, plain, kwargs: dict):
+    """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's."""
+    check(run, kwargs)
     if kwargs.get("labels") is None or kwargs.get("num_items_in_batch") is not None:
         return plain(**kwargs)  # Trainer: num_items_in_batch counts the sequence; it scales the loss itself
     count = (kwargs["shift_labels"] != IGNORE_INDEX).sum()
@@ -222,14 +234,16 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
             f"context parallelism runs SDPA's kernels, and this model's attention is {implementation!r}: load it "
             "with attn_implementation='sdpa'"
         )
+    if _ACTIVE:
+        raise SettingError("a context-parallel block is already running: blocks do not nest")
     run = ContextRun(inner, ring, SequenceLayout(length, ring.size), topology.control)
-    token = _ACTIVE.set(run)
+    _ACTIVE.append(run)
     set_attention_implementation(config, ATTENTION)
     try:
         yield run
     finally:
         set_attention_implementation(config, implementation)
-        _ACTIVE.reset(token)
+        _ACTIVE.clear()
     if run.graphs and not run.backward_ran and torch.is_grad_enabled():
         raise HfRtpError(
             "a context-parallel block ran a training forward but not its backward: call loss.backward() "

@@ -290,7 +290,9 @@ class _Sequences(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _trainer_step(ckpt, out, through_arguments):
+def _trainer_step(ckpt, out, through_arguments, trl=None):
+    """One Trainer step (`trl`: TRL's SFTTrainer, or another TRL trainer, refused) under context parallelism,
+    beside vanilla's step on the sequence the sampler drew."""
     from accelerate import ParallelismConfig
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -298,7 +300,16 @@ def _trainer_step(ckpt, out, through_arguments):
 
     config = ParallelismConfig(cp_size=2)
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa")
+    options: dict = {}
+    if trl:
+        import trl as trl_library
+        from datasets import Dataset
+        from support.models import tiny_tokenizer
+
+        TrainingArguments = getattr(trl_library, trl.replace("Trainer", "Config"))  # TRL's arguments class
+        options = dict(max_length=16, bf16=False)
     args = TrainingArguments(
+        **options,
         output_dir=out,
         max_steps=1,
         per_device_train_batch_size=1,
@@ -325,12 +336,25 @@ def _trainer_step(ckpt, out, through_arguments):
             self.grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
     data = _Sequences(2, 11)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Losses()])
+    if trl:
+        trainer_class = getattr(trl_library, trl)
+        extra: dict = {"processing_class": tiny_tokenizer()}
+        if trl == "SFTTrainer":
+            dataset = Dataset.from_dict({"input_ids": [item["input_ids"].tolist() for item in data.items]})
+        else:  # refused before any data is read
+            dataset = Dataset.from_dict({"prompt": ["t3 t4"], "chosen": ["t5"], "rejected": ["t6"]})
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, callbacks=[Losses()], **extra)
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Losses()])
     assert trainer.get_cp_size() == 2 and trainer.accelerator.parallelism_config.cp_enabled
     trainer.train()
     (logged,) = Losses.seen
     # vanilla's step on whichever sequence Trainer's sampler drew (both ranks drew the same: hf_rtp checks)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    if trl:  # what SFTTrainer's tokenization and collator made of each sequence (EOS appended, its labels)
+        made = [trainer.data_collator([trainer.train_dataset[i]]) for i in range(len(trainer.train_dataset))]
+        keep = ("input_ids", "labels", "attention_mask", "position_ids")
+        data.items = [{k: v[0] for k, v in batch.items() if k in keep} for batch in made]
     with torch.no_grad():
         candidates = [ref(**{k: v[None] for k, v in item.items()}).loss.item() for item in data.items]
     drawn = min(range(len(candidates)), key=lambda i: abs(candidates[i] - logged))
@@ -357,6 +381,16 @@ def test_trainer_with_cp_size_trains_as_vanilla_where_accelerate_accepts_it(tmp_
         run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "refused"), True, attempts=1)
     logged = run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "out"), False)
     assert logged[0] == logged[1]
+
+
+def test_trl_sft_trainer_with_cp_size_trains_as_vanilla_and_dpo_is_refused(tmp_path):
+    """TRL's SFTTrainer runs Trainer's context-parallel path through TRL's fused LM head on the ring; DPOTrainer,
+    whose loss sums log-probabilities per sequence (each rank holds part of each), is refused by name."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    logged = run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "sft"), False, "SFTTrainer")
+    assert logged[0] == logged[1]
+    with pytest.raises(RuntimeError, match="DPOTrainer is not supported on a rotated model"):
+        run_on_ranks(_trainer_step, 2, ckpt, str(tmp_path / "dpo"), False, "DPOTrainer", attempts=1)
 
 
 def _skip_and_save(ckpt, out):
