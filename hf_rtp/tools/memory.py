@@ -275,9 +275,43 @@ def estimate(
         "rtp": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
         "rtp-unfused": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
     }
+    if ring > 1:
+        result["rtp-cp"] = (
+            peak(
+                rtp_local * size,
+                rtp_largest * size,
+                _context_parallel(model, batch, seq, ring, size, gradient_checkpointing),
+                logits=0,
+            )
+            + pool
+            + _kv_slots(config, batch, seq, ring, size, weight_slot, piece * size)
+        )
     if ring < n:
         result["hsdp"] = fsdp2(ring)
     return result
+
+
+def _context_parallel(model: Any, batch: int, seq: int, ring: int, size: int, gradient_checkpointing: bool) -> float:
+    """The fused loss's activations when each rank holds 1/ring of every sequence (context parallelism): the
+    ring attention keeps what a fused kernel keeps (q, k, v, output, log-sum-exp) for the rank's tokens."""
+    local = math.ceil(seq / ring)
+    config = model.config
+    return (
+        _activations(model, batch, local, False, gradient_checkpointing)
+        + batch * local * (config.hidden_size * size + 8)
+        + 3 * min(BLOCK_BYTES, batch * local * math.ceil(config.vocab_size / ring) * 4)
+    )
+
+
+def _kv_slots(config, batch: int, seq: int, ring: int, size: int, weight_slot: int, grad_slot: int) -> float:
+    """What ring attention adds to the pool and beside it: K/V blocks (the rank's own, contiguous, and two in
+    flight in the weight slots), their travelling gradients (the gradient slots) and the rank's summed dK/dV."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    block = batch * math.ceil(seq / ring) * 2 * kv_heads * head_dim * size
+    slots = 1 if ring == 2 else 2
+    return slots * max(0, block - weight_slot) + 2 * max(0, block - grad_slot) + 2 * block
 
 
 def _activations(model: Any, batch: int, seq: int, labels: bool, gradient_checkpointing: bool) -> float:
@@ -360,6 +394,7 @@ def main(argv=None) -> dict[str, float]:
             "rtp": "   (fused LM-head loss, the default)",
             "rtp-unfused": "   (from_pretrained(..., fused_loss=False))",
             "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)",
+            "rtp-cp": f"   (context parallelism: a sequence cut across {args.rtp_size or args.world_size} ranks)",
         }.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
     return result

@@ -189,3 +189,22 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys, ra
         assert abs(r["tokens_per_s"] - sequences * 4 / r["seconds"]) < 1e-6 * r["tokens_per_s"]
         assert r["peak_gb"] > 0
     assert "N=2 batch 3: rtp/ddp: tokens/s" in printed and (out / "generate.png").stat().st_size > 0
+
+
+def test_long_sequence_mode_cuts_one_sequence_across_the_ring(tmp_path, capsys, rank_server):
+    """--long-sequence: each rank its own sequence for RTP, one across the ring for rtp-cp, and rtp-cp again on
+    N x --seq tokens (RTP's tokens per step). Rank 0's sequence is the same in both: so is its first loss."""
+    out = tmp_path / "out"
+    args = ["--world-sizes", "2", "--long-sequence", "--seq", "256", "--strategies", "rtp,rtp-cp"]
+    printed = _bench(tmp_path, capsys, [*args, "--warmup", "1", "--steps", "1", "--output", str(out)])
+    rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert set(rows) == {"rtp", "rtp-cp", "rtp-cp-same-tokens"}
+    assert (rows["rtp"]["seq"], rows["rtp-cp"]["seq"], rows["rtp-cp-same-tokens"]["seq"]) == (256, 256, 512)
+    assert abs(rows["rtp-cp"]["loss_first"] - rows["rtp"]["loss_first"]) < 1e-4
+    for name, sequences in (("rtp", 2), ("rtp-cp", 1), ("rtp-cp-same-tokens", 1)):
+        r = rows[name]
+        assert abs(r["tokens_per_s"] - sequences * r["seq"] / r["step_s"]) < 1e-6 * r["tokens_per_s"]
+        assert r["estimate_gb"] > 0 and r["peak_gb"] > 0
+    assert rows["rtp-cp"]["estimate_gb"] < rows["rtp"]["estimate_gb"]  # half the tokens' activations per rank
+    assert "N=2: rtp-cp/rtp: peak per rank" in printed and "time per token" in printed
+    assert "FSDP2 with torch's context_parallel: not run on the CPU" in printed

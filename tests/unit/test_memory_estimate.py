@@ -23,7 +23,8 @@ def config_only(tmp_path):
 def test_estimate_needs_only_the_config(config_only, capsys):
     result = memory.main([str(config_only), "--world-size", "2"])
     out = capsys.readouterr().out
-    assert set(result) == set(memory.STRATEGIES) | {"rtp-unfused"}  # RTP with fused_loss=False beside it
+    # RTP with fused_loss=False beside it, and with context parallelism (each sequence cut across the ring)
+    assert set(result) == set(memory.STRATEGIES) | {"rtp-unfused", "rtp-cp"}
     for strategy in result:
         assert strategy in out
     # the same answer from the config.json path and from the preset name
@@ -144,12 +145,12 @@ def test_estimate_is_within_15_percent_of_every_measured_strategy(path):
             config,
             row["world_size"],
             batch=settings["batch"],
-            seq=settings["seq"],
+            seq=row.get("seq", settings["seq"]),  # --long-sequence's rtp-cp-same-tokens: N x --seq
             dtype=settings["dtype"],
             gradient_checkpointing=settings.get("gradient_checkpointing", False),
             rtp_size=row["rtp_size"] if grid else None,
         )
-        strategy = "rtp" if grid else row["strategy"]
+        strategy = "rtp" if grid else "rtp-cp" if row["strategy"] == "rtp-cp-same-tokens" else row["strategy"]
         if strategy in estimates:  # not the zero-loss run, which only measures the loss's share
             assert estimates[strategy] / 1e9 == pytest.approx(row["peak_gb"], rel=0.15), row["strategy"]
             checked += 1
@@ -222,3 +223,14 @@ def test_the_qlora_estimate_shards_what_each_strategy_shards(config_only, capsys
     with pytest.raises(SystemExit, match="--load-in-4bit estimates one flat ring"):
         main([str(config_only), "--world-size", "4", "--rtp-size", "2", "--load-in-4bit"])
     assert main([str(config_only), "--world-size", "2"]) == memory.main([str(config_only), "--world-size", "2"])
+
+
+def test_context_parallelism_divides_the_activations_not_the_model_states(config_only):
+    """Each rank holds 1/N of a sequence's tokens: at a long sequence the peak falls toward the model states / N
+    plus the activations / N, and a ring of one has no context-parallel row (its sequence is whole)."""
+    config = memory.load_config(str(config_only))
+    assert "rtp-cp" not in memory.estimate(config, 1)
+    short, long = (memory.estimate(config, 2, batch=1, seq=s) for s in (256, 8192))
+    activations = long["rtp"] - short["rtp"]  # what 31x more tokens cost RTP, every one on each rank
+    assert long["rtp-cp"] - short["rtp-cp"] == pytest.approx(activations / 2, rel=0.15)
+    assert memory.estimate(config, 4, batch=1, seq=8192)["rtp-cp"] < long["rtp-cp"]

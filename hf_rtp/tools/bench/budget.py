@@ -14,6 +14,8 @@ import math
 from .. import memory
 
 MAX_BATCH = 64
+SEQ_STEP = 256  # --long-sequence: lengths searched in steps of this many tokens
+MAX_SEQ = 1 << 17
 
 
 def largest_batch(config, strategy: str, world_size: int, args) -> int:
@@ -37,38 +39,78 @@ def largest_batch(config, strategy: str, world_size: int, args) -> int:
     return fits
 
 
+def longest_sequence(config, strategy: str, world_size: int, args) -> int:
+    """--long-sequence: the longest sequence (a multiple of SEQ_STEP) whose estimate fits the budget (0: none)."""
+    fits, seq = 0, SEQ_STEP
+    while seq <= MAX_SEQ:
+        estimate = memory.estimate(
+            config, world_size, batch=1, seq=seq, dtype=args.dtype,
+            gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
+        )[strategy]  # fmt: skip
+        if estimate / 1e9 > args.budget_gb:
+            break
+        fits, seq = seq, seq + SEQ_STEP
+    return fits
+
+
 def run(args, checkpoint: str, config, runs: list[tuple[str, int]], measure) -> list[dict]:
+    """Each strategy's largest batch of --seq tokens (with --long-sequence: its longest single sequence) that
+    was measured within the budget."""
     rows = []
+    key = "seq" if args.long_sequence else "batch"
     for strategy, n in runs:
-        batch, row = largest_batch(config, strategy, n, args), None
-        while batch >= 1:
-            print(f"running {strategy} on {n} rank(s) at batch {batch} x {args.seq} ...", flush=True)
+        size = (longest_sequence if args.long_sequence else largest_batch)(config, strategy, n, args)
+        row = None
+        while size >= 1:
+            shape = f"1 x {size}" if args.long_sequence else f"batch {size} x {args.seq}"
+            print(f"running {strategy} on {n} rank(s) at {shape} ...", flush=True)
             try:
-                measured = measure(strategy, checkpoint, n, argparse.Namespace(**{**vars(args), "batch": batch}))
+                measured = measure(strategy, checkpoint, n, argparse.Namespace(**{**vars(args), key: size}))
             except RuntimeError as err:  # e.g. TP when the heads do not divide by N: report it, run the rest
                 print(f"  {strategy} on {n} rank(s) failed: {str(err).strip().splitlines()[-1]}", flush=True)
                 break
             if measured["peak_gb"] <= args.budget_gb:
-                row = dict(measured, batch=batch)
+                row = dict(
+                    measured,
+                    batch=args.batch if args.long_sequence else size,
+                    seq=size if args.long_sequence else args.seq,
+                )
                 break
-            print(f"  peak {measured['peak_gb']:.2f} GB is over {args.budget_gb} GB: one sequence less", flush=True)
-            batch -= 1
+            print(f"  peak {measured['peak_gb']:.2f} GB is over {args.budget_gb} GB: smaller", flush=True)
+            size = size - SEQ_STEP * max(1, size // SEQ_STEP // 10) if args.long_sequence else size - 1
         rows.append(
-            row or {"strategy": strategy, "world_size": n, "batch": 0, "peak_gb": math.nan, "tokens_per_s": 0.0}
+            row
+            or {"strategy": strategy, "world_size": n, "batch": 0, "seq": 0, "peak_gb": math.nan, "tokens_per_s": 0.0}
         )
     return rows
 
 
-def table(rows: list[dict], budget_gb: float) -> str:
-    head = f"{'strategy':<14} {'N':>2} {'largest batch':>13} {'peak GB/rank':>12} {'tokens/s':>9}"
+def sequence_ratios(rows: list[dict]) -> list[str]:
+    """--long-sequence: how much longer a sequence context parallelism fits than each other strategy."""
+    by = {(r["strategy"], r["world_size"]): r for r in rows}
+    out = []
+    for (strategy, n), cp in sorted(by.items()):
+        if strategy == "rtp-cp" and cp["seq"]:
+            out += [
+                f"N={n}: longest sequence, rtp-cp/{other}: {cp['seq'] / by[(other, n)]['seq']:.2f}x"
+                for other in ("rtp", "fsdp2", "ddp")
+                if by.get((other, n), {}).get("seq")
+            ]
+    return out
+
+
+def table(rows: list[dict], budget_gb: float, long_sequence: bool = False) -> str:
+    what = "longest seq" if long_sequence else "largest batch"
+    head = f"{'strategy':<14} {'N':>2} {what:>13} {'peak GB/rank':>12} {'tokens/s':>9}"
     lines = [f"within {budget_gb} GB per rank", head, "-" * len(head)]
     for r in rows:
         fits = r["batch"] > 0
+        size = r["seq"] if long_sequence else r["batch"]
         lines.append(
-            f"{r['strategy']:<14} {r['world_size']:>2} {r['batch'] if fits else 'none fits':>13} "
+            f"{r['strategy']:<14} {r['world_size']:>2} {size if fits else 'none fits':>13} "
             f"{r['peak_gb'] if fits else math.nan:>12.3f} {r['tokens_per_s']:>9.0f}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + (sequence_ratios(rows) if long_sequence else []))
 
 
 def chart(rows: list[dict], args, path: str) -> None:
@@ -82,11 +124,13 @@ def chart(rows: list[dict], args, path: str) -> None:
     labels = [f"{r['strategy']}\nN={r['world_size']}" for r in rows]
     bars = ax.bar(labels, [r["tokens_per_s"] for r in rows])
     for bar, r in zip(bars, rows, strict=True):
-        note = f"batch {r['batch']}" if r["batch"] else "none fits"
+        size = f"seq {r['seq']}" if args.long_sequence else f"batch {r['batch']}"
+        note = size if r["batch"] else "none fits"
         ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_ylabel("global tokens/s")
     ax.set_title(
-        f"largest batch x {args.seq} tokens within {args.budget_gb} GB per rank, {args.dtype}"
+        ("longest sequence" if args.long_sequence else f"largest batch x {args.seq} tokens")
+        + f" within {args.budget_gb} GB per rank, {args.dtype}"
         + (", bf16 autocast" if args.autocast else "")
     )
     fig.tight_layout()

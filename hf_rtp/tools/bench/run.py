@@ -21,18 +21,24 @@ from .. import memory
 from ..memory_qlora import estimate_qlora
 from .presets import PRESETS, make_preset
 from .processes import peak_between, preloaded_ranks, run_ranks
-from .worker import LORA_RANK, STRATEGIES, VARIANTS
+from .worker import LORA_RANK, SHARED_BATCH, STRATEGIES, VARIANTS
+
+SAME_TOKENS = "rtp-cp-same-tokens"
+"""--long-sequence: context parallelism on one sequence of N x --seq tokens, the tokens RTP trains per step"""
 
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     """Run one strategy on `world_size` ranks; summarise it as its worst rank."""
+    label, seq = strategy, args.seq
+    if strategy == SAME_TOKENS:
+        strategy, seq = "rtp-cp", args.seq * world_size
     worker_args = [
         strategy,
         checkpoint,
         "--batch",
         str(args.batch),
         "--seq",
-        str(args.seq),
+        str(seq),
         "--warmup",
         str(args.warmup),
         "--steps",
@@ -64,16 +70,17 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
             r["load_peak"] = peak_between(samples, r["load_start"], r["load_end"]) - r["baseline_rss"]
     worst = max(reports, key=lambda r: r["peak"])
     step_s = max(r["step_s"] for r in reports)
-    # Tensor parallelism trains one batch on all ranks together; the others one batch per rank.
-    batches = 1 if strategy == "tp" else world_size
+    # Tensor parallelism and context parallelism train one batch on all ranks together; the others one per rank.
+    batches = 1 if strategy in SHARED_BATCH else world_size
     return {
-        "strategy": strategy,
+        "strategy": label,
         "world_size": world_size,
+        "seq": seq,
         "peak_gb": worst["peak"] / 1e9,
         "load_peak_gb": max(r["load_peak"] for r in reports) / 1e9,
         "load_s": max(r["load_s"] for r in reports),
         "step_s": step_s,
-        "tokens_per_s": batches * args.batch * args.seq / step_s,
+        "tokens_per_s": batches * args.batch * seq / step_s,
         "local_param_gb": worst["local_param_bytes"] / 1e9,
         "ring_mb_per_step": max(r.get("ring_bytes_per_step", 0) for r in reports) / 1e6,
         "loss_first": reports[0]["losses"][0],  # rank 0's first batch is the same in every strategy
@@ -107,6 +114,31 @@ def table(rows: list[dict]) -> str:
             f"{r['load_peak_gb']:>12.3f}"
         )
     return "\n".join(lines)
+
+
+def long_sequence_ratios(rows: list[dict]) -> list[str]:
+    """--long-sequence: context parallelism against each strategy at one sequence of --seq tokens per context
+    group (memory), and against RTP at the same tokens per step (time per token)."""
+    out = []
+    by = {(r["strategy"], r["world_size"]): r for r in rows}
+    for (strategy, n), cp in sorted(by.items()):
+        if strategy != "rtp-cp":
+            continue
+        for other in ("rtp", "fsdp2", "ddp"):
+            if (other, n) in by:
+                out.append(f"N={n}: rtp-cp/{other}: peak per rank {cp['peak_gb'] / by[(other, n)]['peak_gb']:.2f}x")
+        same, rtp = by.get((SAME_TOKENS, n)), by.get(("rtp", n))
+        if same and rtp:
+            out.append(
+                f"N={n}: one sequence of {same['seq']} tokens across the ring / {n} sequences of {rtp['seq']} "
+                f"(the same tokens per step): time per token {same['step_s'] / rtp['step_s']:.2f}x, peak "
+                f"{same['peak_gb'] / rtp['peak_gb']:.2f}x"
+            )
+        out.append(
+            f"N={n}: FSDP2 with torch's context_parallel: not run on the CPU (its ring attention handles CUDA SDPA "
+            "kernels only)"
+        )
+    return out
 
 
 def ratios(rows: list[dict]) -> list[str]:
@@ -185,7 +217,7 @@ def _within_budget(args, checkpoint, config, runs) -> dict:
     from . import budget
 
     rows = budget.run(args, checkpoint, config, runs, measure)
-    print("\n" + budget.table(rows, args.budget_gb))
+    print("\n" + budget.table(rows, args.budget_gb, args.long_sequence))
     result = {"settings": vars(args), "checkpoint": checkpoint, "budget": rows}
     with open(os.path.join(args.output, "budget.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -243,6 +275,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--new-tokens", type=int, default=128, help="with --generate: tokens each sequence decodes")
     p.add_argument(
+        "--long-sequence",
+        action="store_true",
+        help="instead: one sequence of --seq tokens per context group (batch 1): each rank its own for ddp, "
+        "fsdp2 and rtp, one across the ring for rtp-cp (context parallelism), plus rtp-cp on N x --seq tokens "
+        "(the tokens RTP trains per step) for time per token; with --budget-gb, each strategy's longest sequence",
+    )
+    p.add_argument(
         "--budget-gb",
         type=float,
         help="instead: each strategy's largest batch per rank within this "
@@ -258,6 +297,8 @@ def main(argv=None) -> dict:
     except ValueError:
         sizes = [0]
     default = "ddp,fsdp2,rtp" if args.load_in_4bit else ",".join(STRATEGIES)
+    if args.long_sequence:
+        default, args.batch = "ddp,fsdp2,rtp,rtp-cp", 1
     strategies = (args.strategies or default).split(",")
     known = STRATEGIES + VARIANTS + (("rtp-whole",) if args.generate else ())
     unknown = set(strategies) - set(known)
@@ -310,6 +351,8 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
     ]
     if args.budget_gb is not None:
         return _within_budget(args, checkpoint, config, [(s, n) for s, n in runs if s != "rtp-zero-loss"])
+    if args.long_sequence and "rtp-cp" in strategies and "rtp" in strategies:
+        runs += [(SAME_TOKENS, n) for n in sizes if n > 1]
     rows = []
     failed = []
     for strategy, n in runs:
@@ -343,7 +386,14 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
                 autocast=args.autocast,
                 rtp_size=args.rtp_size if grid else None,
             )
-        row["estimate_gb"] = estimates.get("rtp" if grid else strategy, float("nan")) / 1e9
+            if strategy == SAME_TOKENS:
+                estimates = memory.estimate(
+                    config, n, batch=args.batch, seq=row["seq"], dtype=args.dtype,
+                    gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
+                )  # fmt: skip
+        row["estimate_gb"] = (
+            estimates.get("rtp-cp" if strategy == SAME_TOKENS else "rtp" if grid else strategy, float("nan")) / 1e9
+        )
         if grid:
             row["rtp_size"] = args.rtp_size
         rows.append(row)
@@ -354,9 +404,11 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
         title += ", bf16 autocast"
     if args.gradient_checkpointing:
         title += ", gradient checkpointing"
+    if args.long_sequence:
+        title = f"{name}: one sequence of {args.seq} tokens per context group, {args.dtype} AdamW, {args.device}"
     if args.load_in_4bit:
         title += ", QLoRA (NF4 base, LoRA r=16)"
-    print(f"\n{title}\n{table(rows)}\n" + "\n".join(ratios(rows)))
+    print(f"\n{title}\n{table(rows)}\n" + "\n".join(long_sequence_ratios(rows) if args.long_sequence else ratios(rows)))
     for r in rows:
         if r["ring_mb_per_step"]:
             print(f"{r['strategy']} N={r['world_size']}: {r['ring_mb_per_step']:.2f} MB per rank on the ring per step")

@@ -30,9 +30,11 @@ with contextlib.suppress(ImportError):
     import peft  # noqa: F401
 
 # RTP variants the bench runs beside the strategies: the plain loss from full logits, a zero loss
-# that skips the head and its loss altogether (what the loss costs is the difference), and rings of
-# --rtp-size ranks as data-parallel replicas (the 2-D layout) instead of one flat ring.
-VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d")
+# that skips the head and its loss altogether (what the loss costs is the difference), rings of
+# --rtp-size ranks as data-parallel replicas (the 2-D layout) instead of one flat ring, and context
+# parallelism (one batch of sequences cut across the ring: hf_rtp.context_parallel).
+VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d", "rtp-cp")
+SHARED_BATCH = ("tp", "rtp-cp")  # every rank gets the same batch: the strategy cuts it, not the data loader
 
 
 def load(
@@ -64,7 +66,8 @@ def _load(
             checkpoint,
             dtype=dtype,
             device=device,
-            fused_loss=strategy in ("rtp", "rtp-2d"),
+            attn_implementation="sdpa",
+            fused_loss=strategy in ("rtp", "rtp-2d", "rtp-cp"),
             rtp_size=rtp_size if strategy == "rtp-2d" else None,
         )
     if strategy == "tp":
@@ -141,6 +144,13 @@ def _train_step(model, strategy, batch, optimizer) -> float:
         for p in model.parameters():  # the head still takes its optimizer step, on a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+    elif strategy == "rtp-cp":
+        import hf_rtp
+
+        inputs = {"input_ids": batch, "labels": batch}
+        with hf_rtp.context_parallel(model, inputs):
+            loss = model(**inputs).loss
+            loss.backward()
     else:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -194,7 +204,7 @@ def main(argv=None) -> None:
 
     vocab = AutoConfig.from_pretrained(args.checkpoint).vocab_size
     # Tensor parallelism needs the same batch on every rank; the data-parallel strategies each take their own.
-    seed = 0 if args.strategy == "tp" else rank
+    seed = 0 if args.strategy in SHARED_BATCH else rank
     batches = torch.randint(
         0, vocab, (args.warmup + args.steps, args.batch, args.seq), generator=torch.Generator().manual_seed(seed)
     ).to(device)
