@@ -29,7 +29,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from .. import log
 from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, SettingError, TopologyError
-from ..model.context import sharded
+from ..model.context import check_cp_size, sharded
 from ..model.state import is_rotated, rotated_module, state_of
 from ..private.accelerate_names import (
     on_the_ring,
@@ -162,16 +162,6 @@ def refuse_other_dimensions(config) -> None:
         )
 
 
-def check_cp_size(cp_size: int, ring_size: int) -> None:
-    if cp_size not in (1, ring_size):
-        raise SettingError(
-            f"ParallelismConfig(cp_size={cp_size}), but the model's ring has {ring_size} ranks: hf_rtp runs context "
-            f"parallelism over the ring, so cp_size must equal it (hf_rtp.from_pretrained(..., rtp_size={cp_size}) "
-            f"for rings of {cp_size} ranks, dp_shard_size rings side by side). Several data groups on one ring "
-            "are not supported"
-        )
-
-
 @contextmanager
 def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
     """accelerate's `maybe_context_parallel`, on the rotated model this accelerator prepared: the ring's."""
@@ -206,10 +196,14 @@ def adopt_caller(model) -> None:
             setattr(accelerator, name, types.MethodType(globals()[name], accelerator))
     accelerator.__dict__[_ADOPTED] = True
     if own:
+        consequence = {
+            "maybe_context_parallel": "maybe_context_parallel: does nothing for a model that is not under FSDP2",
+        }
         log.warning(
             f"{type(accelerator).__name__} overrides {', '.join(own)}, which hf_rtp leaves in charge: on the rotated "
-            "model accelerate's own (which an override calls) refuses to save rank 0's rows. Subclass "
-            "hf_rtp.Accelerator instead to keep your override and save the rotated state"
+            "model accelerate's own (which an override calls) "
+            + "; ".join(consequence.get(n, f"{n}: refuses to save rank 0's rows") for n in own)
+            + ". Subclass hf_rtp.Accelerator instead to keep your override and run the rotated model's"
         )
 
 

@@ -214,6 +214,17 @@ def forward(run: ContextRun, plain, kwargs: dict):
     return out
 
 
+def check_cp_size(cp_size: int, ring_size: int) -> None:
+    """accelerate's ParallelismConfig(cp_size=...) against the model's ring, which context parallelism runs on."""
+    if cp_size not in (1, ring_size):
+        raise SettingError(
+            f"ParallelismConfig(cp_size={cp_size}), but the model's ring has {ring_size} ranks: hf_rtp runs context "
+            f"parallelism over the ring, so cp_size must equal it (hf_rtp.from_pretrained(..., rtp_size={cp_size}) "
+            f"for rings of {cp_size} ranks, dp_shard_size rings side by side, each its own sequences). Several data "
+            "groups on one ring are not supported"
+        )
+
+
 @contextmanager
 def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterator[ContextRun]:
     """Activate ring attention for one block over a sequence of `length` tokens."""
@@ -222,12 +233,8 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
     inner = rotated_module(model)
     assert inner is not None  # state_of found it
     config = inner.config
-    if cp_size is not None and cp_size != ring.size:
-        raise SettingError(
-            f"cp_size={cp_size}, but the model's ring has {ring.size} ranks: hf_rtp runs context parallelism over "
-            f"the ring, so cp_size must equal it (load with rtp_size={cp_size} for rings of {cp_size} ranks, each "
-            "ring its own sequence); several data groups on one ring are not supported"
-        )
+    if cp_size is not None:
+        check_cp_size(cp_size, ring.size)
     implementation = attention_implementation(config)
     if implementation != "sdpa":
         raise SettingError(

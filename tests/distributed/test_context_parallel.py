@@ -232,6 +232,8 @@ def _accelerate_loop(ckpt, cp_size, world):
     import hf_rtp
 
     replicas = world // cp_size
+    with pytest.raises(hf_rtp.SettingError, match="tp_size=2 shards the model another way"):
+        hf_rtp.Accelerator(parallelism_config=ParallelismConfig(tp_size=2, cp_size=world // 2))
     config = ParallelismConfig(cp_size=cp_size, dp_shard_size=replicas)  # accelerate refuses cp with dp_replicate
     accelerator = hf_rtp.Accelerator(parallelism_config=config)
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa", rtp_size=cp_size).train()
@@ -266,6 +268,10 @@ def _accelerate_loop(ckpt, cp_size, world):
         losses.append(loss.item())
     topology = hf_rtp.state_of(model).topology
     assert_matches(accelerator.unwrap_model(model), ref, topology.rtp_size, topology.rtp_rank, "param", atol=STEP_ATOL)
+    if replicas > 1:  # a flat ring of every rank under cp_size=2: refused by name, not trained on the wrong groups
+        flat = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa")
+        with pytest.raises(hf_rtp.SettingError, match="so cp_size must equal it"):
+            accelerator.prepare(flat)
     return losses
 
 
