@@ -328,7 +328,10 @@ def install(model, outputs: tuple[str, ...]) -> None:
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
+        before = run.calls if run is not None else 0
         backbone = self.base_model(*args, **kwargs)
+        if run is not None:
+            context.attended(run, before)
         hidden = backbone.last_hidden_state
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]

@@ -63,27 +63,34 @@ def _merge_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def _widened(v: torch.Tensor, width: int) -> torch.Tensor:
+    """V with zero columns up to the query/key head size: the flash kernel wants one head size, and zero
+    columns of V give zero columns of the output and take no gradient (DeepSeek's MLA: v_head_dim < qk's)."""
+    return v if v.shape[-1] == width else torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+
+
 class RingAttentionFn(torch.autograd.Function):
     """softmax(Q K^T * scale + causal) V over the whole sequence, for this rank's queries."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, ring: Ring, layout: SequenceLayout):
-        groups = q.shape[1] // k.shape[1]
+        groups, width = q.shape[1] // k.shape[1], q.shape[-1]
         own = [k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous()]  # tokens first: ring rows
         rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
         first = rows.bounds(ring.rank)[0]
         queries = [(row, pos, n) for row, pos, n in layout.intervals(ring.rank)]
         merged = _merge_dtype(q.dtype)
-        out = q.new_zeros(q.shape, dtype=merged)
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=merged)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=merged)
 
         def compute(span, held):
             keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
             for (qa, qb), (ka, kb), causal in _blocks(queries, keys):
                 o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[:, :, qa:qb], _heads(held[0][ka:kb], groups), _heads(held[1][ka:kb], groups), 0.0, causal,
-                    scale=scale,
+                    q[:, :, qa:qb], _heads(held[0][ka:kb], groups), _widened(_heads(held[1][ka:kb], groups), width),
+                    0.0, causal, scale=scale,
                 )  # fmt: skip
+                o = o[..., : v.shape[-1]]
                 total = torch.logaddexp(lse[:, :, qa:qb], m.to(merged))
                 out[:, :, qa:qb] = out[:, :, qa:qb] * (lse[:, :, qa:qb] - total).exp().unsqueeze(-1) + o.to(merged) * (
                     m.to(merged) - total
@@ -101,12 +108,12 @@ class RingAttentionFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, layout, scale = ctx.ring, ctx.layout, ctx.scale
-        groups = q.shape[1] // k.shape[1]
+        groups, width = q.shape[1] // k.shape[1], q.shape[-1]
         own = [k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous()]
         rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
         queries = layout.intervals(ring.rank)
         summed = _merge_dtype(q.dtype)
-        grad_out = grad_out.contiguous()
+        grad_out, out = _widened(grad_out.contiguous(), width), _widened(out, width)
         grad_q = torch.zeros(q.shape, dtype=summed, device=q.device)
         kernel_lse = lse.to(torch.float32) if q.dtype in (torch.bfloat16, torch.float16) else lse
 
@@ -115,12 +122,12 @@ class RingAttentionFn(torch.autograd.Function):
             for (qa, qb), (ka, kb), causal in _blocks(queries, keys):
                 dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     grad_out[:, :, qa:qb], q[:, :, qa:qb], _heads(held[0][ka:kb], groups),
-                    _heads(held[1][ka:kb], groups), out[:, :, qa:qb], kernel_lse[:, :, qa:qb].contiguous(), 0.0,
-                    causal, scale=scale,
+                    _widened(_heads(held[1][ka:kb], groups), width), out[:, :, qa:qb],
+                    kernel_lse[:, :, qa:qb].contiguous(), 0.0, causal, scale=scale,
                 )  # fmt: skip
                 grad_q[:, :, qa:qb] += dq
                 acc[0][ka:kb] += _unheads(dk, groups)
-                acc[1][ka:kb] += _unheads(dv, groups)
+                acc[1][ka:kb] += _unheads(dv[..., : held[1].shape[-1]], groups)
 
         with torch.autocast(q.device.type, enabled=False):
             home = ring.backward_walk(own, rows, accumulate, lambda span, held: None, accumulate_dtype=summed)
@@ -134,4 +141,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, rin
     values ([batch, kv_heads, tokens, dim], heads a multiple of kv_heads); returns [batch, heads, tokens, dim]."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly")
+    if v.shape[-1] > q.shape[-1]:
+        raise ValueError(f"values of {v.shape[-1]} per head, wider than queries and keys ({q.shape[-1]})")
     return RingAttentionFn.apply(q, k, v, scale, ring, layout)

@@ -16,14 +16,17 @@ implementations other than SDPA, and generation.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -33,7 +36,11 @@ from ..distributed.ring import Ring
 from ..distributed.sequence import SequenceLayout
 from ..errors import HfRtpError, SettingError
 from ..layers.attention import ring_attention
-from ..private.transformers_names import attention_implementation, set_attention_implementation
+from ..private.transformers_names import (
+    attention_implementation,
+    set_attention_implementation,
+    supports_sdpa,
+)
 from .state import rotated_module, state_of
 
 ATTENTION = "hf_rtp_context"
@@ -51,6 +58,8 @@ class ContextRun:
     control: dist.ProcessGroup | None
     graphs: int = 0
     """ring attentions run with autograd recording in this block"""
+    calls: int = 0
+    """ring attentions run in this block (every decoder layer's, every forward)"""
     backward_ran: bool = False
     checked: set = field(default_factory=set)
 
@@ -94,6 +103,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
             "block: a config copied inside the block kept it. Set config._attn_implementation = 'sdpa' on the copy"
         )
     _check_attention(run, module, query, attention_mask, dropout, kwargs)
+    run.calls += 1
     out = ring_attention(query, key, value, scaling, run.ring, run.layout)
     if out.requires_grad:
         run.graphs += 1
@@ -196,22 +206,55 @@ def check(run: ContextRun, kwargs: dict) -> None:
         _check_inputs(run, kwargs)
 
 
+def attended(run: ContextRun, before: int) -> None:
+    """After a forward: every decoder layer's attention ran the ring's. A model whose layers call SDPA themselves
+    (Falcon) attended to each rank's chunks alone, the same on every rank: refused before any backward."""
+    config: Any = run.model.config
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    ran = run.calls - before
+    if layers is not None and ran != layers:
+        raise SettingError(
+            f"context parallelism is not supported for {type(run.model).__name__}: {ran} of its {layers} layers' "
+            "attention went through transformers' attention interface, where hf_rtp's ring attention runs; the "
+            "others call SDPA themselves, on each rank's chunks alone"
+        )
+
+
 def forward(run: ContextRun, plain, kwargs: dict):
     """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's."""
     check(run, kwargs)
+    before = run.calls
     if kwargs.get("labels") is None or kwargs.get("num_items_in_batch") is not None:
-        return plain(**kwargs)  # Trainer: num_items_in_batch counts the sequence; it scales the loss itself
+        out = plain(**kwargs)  # Trainer: num_items_in_batch counts the sequence; it scales the loss itself
+        attended(run, before)
+        return out
     count = (kwargs["shift_labels"] != IGNORE_INDEX).sum()
     if run.ring.group is not None:
         dist.all_reduce(count, group=run.ring.group)
     out = plain(**{**kwargs, "num_items_in_batch": count})
+    attended(run, before)
     loss = out[0] if isinstance(out, tuple) else out.loss
     if run.ring.group is not None:
-        loss = dist_fn.all_reduce(loss, group=run.ring.group)  # its backward sums the ranks' gradients too
+        loss = _RingSum.apply(loss, run.ring.group)
     if isinstance(out, tuple):
         return (loss, *out[1:])
     out.loss = loss
     return out
+
+
+@functools.cache
+def _module_calls_interface(module_name: str) -> bool:
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return True  # no source to read: the count after each forward (attended) still guards it
+    return "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
+
+
+def _calls_attention_interface(model: nn.Module) -> bool:
+    """Whether the model's code reaches attention through transformers' interface (read once per modeling file;
+    `attended` checks every forward's count besides)."""
+    return _module_calls_interface(type(model).__module__)
 
 
 def check_cp_size(cp_size: int, ring_size: int) -> None:
@@ -225,9 +268,29 @@ def check_cp_size(cp_size: int, ring_size: int) -> None:
         )
 
 
+class _RingSum(torch.autograd.Function):
+    """The sum over the ring of each rank's share of the loss; its backward sums too, so each rank's gradient
+    is the ring's (the data-parallel mean over ranks then gives the whole sequence's gradient)."""
+
+    @staticmethod
+    def forward(ctx, value, group):
+        ctx.group = group
+        total = value.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 @contextmanager
 def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterator[ContextRun]:
     """Activate ring attention for one block over a sequence of `length` tokens."""
+    if _ACTIVE:
+        raise SettingError("a context-parallel block is already running: blocks do not nest")
     state = state_of(model)
     topology, ring = state.topology, state.topology.ring
     inner = rotated_module(model)
@@ -236,13 +299,22 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
     if cp_size is not None:
         check_cp_size(cp_size, ring.size)
     implementation = attention_implementation(config)
-    if implementation != "sdpa":
+    name = type(inner).__name__
+    if not _calls_attention_interface(inner):
         raise SettingError(
-            f"context parallelism runs SDPA's kernels, and this model's attention is {implementation!r}: load it "
-            "with attn_implementation='sdpa'"
+            f"context parallelism is not supported for {name}: its attention layers call SDPA themselves rather "
+            "than transformers' attention interface, which is where hf_rtp's ring attention runs"
         )
-    if _ACTIVE:
-        raise SettingError("a context-parallel block is already running: blocks do not nest")
+    if implementation != "sdpa":
+        fix = (
+            "load it with attn_implementation='sdpa'"
+            if supports_sdpa(inner)
+            else "transformers has no SDPA attention for it (soft-capping or attention sinks, which ring attention "
+            "does not compute either), so it cannot run context parallelism"
+        )
+        raise SettingError(
+            f"context parallelism runs SDPA's kernels, and {name}'s attention is {implementation!r}: {fix}"
+        )
     run = ContextRun(inner, ring, SequenceLayout(length, ring.size), topology.control)
     _ACTIVE.append(run)
     set_attention_implementation(config, ATTENTION)

@@ -83,3 +83,8 @@ def keep_in_fp32_modules(model: Any) -> Any:
     """The modules a model class keeps in float32, which transformers' quantizers never convert."""
     _get(type(model), "_keep_in_fp32_modules")
     return model._keep_in_fp32_modules
+
+
+def supports_sdpa(model: Any) -> bool:
+    """Whether transformers offers SDPA attention for the model's class (`_supports_sdpa`)."""
+    return bool(_get(type(model), "_supports_sdpa"))

@@ -203,6 +203,19 @@ def _refusals(llama, qwen_window, mixtral_aux):
     aux = hf_rtp.from_pretrained(mixtral_aux, dtype=torch.float64, experts_implementation="eager").train()
     refused(_batch(11), "output_router_logits", target=aux)
 
+    custom = hf_rtp.from_pretrained(llama, dtype=torch.float64, attn_implementation="sdpa").train()
+    layer = custom.model.layers[1].self_attn  # a user's own attention that calls SDPA itself: each rank's chunks
+
+    def own_attention(hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        q = layer.q_proj(hidden_states).unflatten(-1, (-1, layer.head_dim)).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return layer.o_proj(out.transpose(1, 2).flatten(2)), None
+
+    layer.forward = own_attention
+    refused(_batch(11), "1 of its 2 layers' attention went through", target=custom)
+    with hf_rtp.context_parallel(model, _batch(11)), pytest.raises(hf_rtp.SettingError, match="do not nest"):
+        hf_rtp.context_parallel(model, _batch(11)).__enter__()
+
     batch = _batch(11)  # after every refusal the ring still trains
     with hf_rtp.context_parallel(model, batch):
         loss = model(**batch).loss
@@ -219,7 +232,7 @@ def test_what_it_does_not_compute_is_refused_on_every_rank_by_name(tmp_path):
     window = make_tiny("qwen2", tmp_path / "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     mixtral = make_tiny("mixtral", tmp_path / "mixtral")
     results = run_on_ranks(_refusals, 2, llama, window, mixtral)
-    assert [r[0] for r in results] == [7, 7]
+    assert [r[0] for r in results] == [8, 8]
     assert results[0][1] == results[1][1]
 
 

@@ -24,7 +24,7 @@ GATED = {
     "_assert_async", "_local_tensor", "_ddp_params_and_buffers_to_ignore", "_init_weights",
     "_get_resized_embeddings", "_get_resized_lm_head", "_loss_function", "_apply_gate", "_attn_implementation",
     "_no_split_modules", "_models", "_optimizers", "_shared_state", "_amp_foreach_non_finite_check_and_unscale_",
-    "_keep_in_fp32_modules", "_validate_accelerator",
+    "_keep_in_fp32_modules", "_validate_accelerator", "_supports_sdpa",
 }  # fmt: skip
 LIBRARIES = ("torch", "transformers", "accelerate")
 
@@ -85,6 +85,7 @@ def test_every_gated_name_resolves_under_the_installed_versions():
     assert transformers_names.attention_implementation(model.config) in ("eager", "sdpa")
     assert transformers_names.no_split_modules(model) == ("LlamaDecoderLayer",)
     assert transformers_names.keep_in_fp32_modules(model) == set()
+    assert transformers_names.supports_sdpa(model)
     assert accelerate_names.state_exists() in (True, False)
 
 
