@@ -433,8 +433,25 @@ def _skip_and_save(ckpt, out):
         with pytest.raises(hf_rtp.CollectiveMisuseError, match="rank 0: context_parallel"):
             model(**_batch(11))
     batch = _batch(11)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with hf_rtp.context_parallel(model, batch):  # and the ring still trains
         model(**batch).loss.backward()
+    hf_rtp.sync_grads(model)  # the replicated norms' mean over ranks, as DDP's
+    optimizer.step()
+    optimizer.zero_grad()
+    # the training state does not depend on context parallelism: resumed, the next step runs without it
+    hf_rtp.save_training_state(out + "-state", model, optimizer)
+    again = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    again_optimizer = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    hf_rtp.load_training_state(out + "-state", again, again_optimizer)
+    steps = []
+    for m, o in ((model, optimizer), (again, again_optimizer)):
+        m(**_batch(11, seed=4 + rank)).loss.backward()  # each rank its own data: plain data parallelism
+        hf_rtp.sync_grads(m)
+        o.step()
+        params = m.named_parameters()
+        steps.append({n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in params})
+    assert all(torch.equal(steps[0][n], steps[1][n]) for n in steps[0])
     model.save_pretrained(out)  # a checkpoint of the ring's rows, whatever the context: vanilla's format
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.state_dict().items()}
     if rank == 0:
@@ -444,5 +461,7 @@ def _skip_and_save(ckpt, out):
 
 
 def test_a_rank_that_skips_a_step_is_named_at_once_and_the_checkpoint_is_vanillas(tmp_path):
+    """A skipped block fails at once, naming each rank's call; after a context-parallel step the training state
+    resumes into a step without context parallelism bit for bit, and save_pretrained writes vanilla's files."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     assert run_on_ranks(_skip_and_save, 2, ckpt, str(tmp_path / "saved")) == [True, True]
