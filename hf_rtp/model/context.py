@@ -22,7 +22,7 @@ import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from ..private.transformers_names import (
     set_attention_implementation,
     supports_sdpa,
 )
+from .heads import is_causal_lm
 from .state import rotated_module, state_of
 
 ATTENTION = "hf_rtp_context"
@@ -61,7 +62,6 @@ class ContextRun:
     calls: int = 0
     """ring attentions run in this block (every decoder layer's, every forward)"""
     backward_ran: bool = False
-    checked: set = field(default_factory=set)
 
     @property
     def rank(self) -> int:
@@ -300,6 +300,11 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
         check_cp_size(cp_size, ring.size)
     implementation = attention_implementation(config)
     name = type(inner).__name__
+    if not is_causal_lm(inner):
+        raise SettingError(
+            f"context parallelism is for causal language models; {name}'s outputs (a pooled score, per-token "
+            "classes) would be each rank's chunks'. Load it with hf_rtp.from_pretrained (AutoModelForCausalLM)"
+        )
     if not _calls_attention_interface(inner):
         raise SettingError(
             f"context parallelism is not supported for {name}: its attention layers call SDPA themselves rather "

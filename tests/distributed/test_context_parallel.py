@@ -216,6 +216,10 @@ def _refusals(llama, qwen_window, mixtral_aux):
     with hf_rtp.context_parallel(model, _batch(11)), pytest.raises(hf_rtp.SettingError, match="do not nest"):
         hf_rtp.context_parallel(model, _batch(11)).__enter__()
 
+    classifier = hf_rtp.AutoModelForSequenceClassification.from_pretrained(llama, dtype=torch.float64, num_labels=2)
+    with pytest.raises(hf_rtp.SettingError, match="for causal language models"):
+        hf_rtp.context_parallel(classifier, _batch(11)).__enter__()
+
     batch = _batch(11)  # after every refusal the ring still trains
     with hf_rtp.context_parallel(model, batch):
         loss = model(**batch).loss
