@@ -74,6 +74,12 @@ def parse_args(argv=None):
         type=int,
         help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, data parallel across nodes)",
     )
+    p.add_argument(
+        "--context_parallel",
+        action="store_true",
+        help="long context: cut each sequence across the ring (hf_rtp.context_parallel); the ranks of a ring train "
+        "the same micro-batch, each ring its own",
+    )
     return p.parse_args(argv)
 
 
@@ -162,18 +168,23 @@ def main(argv=None):
     ddp = accelerator.prepare(trained)  # DDP averages replicated grads; rotated ones reduce in the ring
 
     order = GlobalOrder(len(blocks), args.seed)
+    # the data-parallel groups: every rank, or with context parallelism every ring (its ranks share a batch)
+    group, groups = (topology.dp_rank, topology.dp_size) if args.context_parallel else (rank, world)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available() and not args.no_bf16)
     metrics = os.path.join(args.output_dir, "metrics.jsonl") if rank == 0 else None
     bar = tqdm(total=args.max_steps, initial=step, desc="training", disable=rank != 0)
     while step < args.max_steps:
         started, loss_sum = time.perf_counter(), torch.zeros((), device=accelerator.device)
         for micro in range(args.grad_accum):
-            ids = blocks[order.micro_batch(samples_seen, rank, world, args.per_device_batch_size)].to(
+            ids = blocks[order.micro_batch(samples_seen, group, groups, args.per_device_batch_size)].to(
                 accelerator.device
             )
-            samples_seen += world * args.per_device_batch_size
-            with autocast, ddp.no_sync() if micro < args.grad_accum - 1 and world > 1 else nullcontext():
-                loss = ddp(input_ids=ids, labels=ids).loss
+            samples_seen += groups * args.per_device_batch_size
+            batch = {"input_ids": ids, "labels": ids}
+            # with --context_parallel each rank holds its chunks of every sequence, and the loss is the sequences'
+            split = hf_rtp.context_parallel(model, batch) if args.context_parallel else nullcontext()
+            with autocast, ddp.no_sync() if micro < args.grad_accum - 1 and world > 1 else nullcontext(), split:
+                loss = ddp(**batch).loss
                 (loss / args.grad_accum).backward()
             loss_sum += loss.detach() / args.grad_accum
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)  # global norm, rotated included
@@ -186,7 +197,7 @@ def main(argv=None):
             "loss": mean_over_ranks(loss_sum),
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            "tokens_per_s": world
+            "tokens_per_s": groups
             * args.grad_accum
             * args.per_device_batch_size
             * args.seq_len
