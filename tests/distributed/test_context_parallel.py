@@ -342,6 +342,7 @@ def _trainer_step(ckpt, out, through_arguments, trl=None):
         disable_tqdm=True,
         logging_steps=1,
         save_strategy="no",
+        max_grad_norm=0.0,  # unclipped: a gradient off by a constant factor would survive clipping unseen
         parallelism_config=config if through_arguments else None,
     )
     if not through_arguments:  # after TrainingArguments, which resets accelerate's shared state
@@ -383,7 +384,6 @@ def _trainer_step(ckpt, out, through_arguments, trl=None):
     drawn = min(range(len(candidates)), key=lambda i: abs(candidates[i] - logged))
     assert abs(candidates[drawn] - logged) < 1e-6, (logged, candidates)
     ref(**{k: v[None] for k, v in data.items[drawn].items()}).loss.backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), args.max_grad_norm)  # Trainer clips before the step
     topology = hf_rtp.state_of(model).topology
     for name, grad in Losses.grads.items():  # what Trainer's optimizer stepped with: DDP's, the ring's
         want = ref.get_parameter(name).grad
@@ -469,3 +469,64 @@ def test_a_rank_that_skips_a_step_is_named_at_once_and_the_checkpoint_is_vanilla
     resumes into a step without context parallelism bit for bit, and save_pretrained writes vanilla's files."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     assert run_on_ranks(_skip_and_save, 2, ckpt, str(tmp_path / "saved")) == [True, True]
+
+
+def _trainer_accumulating(ckpt, out):
+    """Trainer with gradient_accumulation_steps=2 over two sequences whose label counts differ: one optimizer step
+    whose gradient is the mean over both sequences' label tokens (Trainer's num_items_in_batch)."""
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa")
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=1,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        max_grad_norm=0.0,  # unclipped: a gradient off by a constant factor would survive clipping unseen
+    )
+    hf_rtp.Accelerator(parallelism_config=ParallelismConfig(cp_size=2))
+    data = _Sequences(2, 11)
+    for s, item in enumerate(data.items):
+        item["labels"] = item["input_ids"].clone()
+        item["labels"][: 2 + 3 * s] = -100  # 8 and 5 label tokens after the shift
+
+    class Grads(TrainerCallback):
+        seen: ClassVar[dict] = {}
+        logged: ClassVar[list] = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.seen.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.logged.append(logs["loss"])
+
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[Grads()]).train()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa").train()
+    total = sum(int((item["labels"][1:] != -100).sum()) for item in data.items)
+    ref_loss = sum(ref(**{k: v[None] for k, v in i.items()}, num_items_in_batch=total).loss for i in data.items)
+    ref_loss.backward()
+    topology = hf_rtp.state_of(model).topology
+    for name, grad in Grads.seen.items():
+        want = ref.get_parameter(name).grad
+        if hasattr(grad, "to_local"):
+            grad, want = grad.to_local(), want[rows(grad, topology.rtp_size, topology.rtp_rank)]
+        torch.testing.assert_close(grad, want, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    (logged,) = Grads.logged
+    assert abs(logged - ref_loss.item()) < 1e-6, (logged, ref_loss.item())
+    return logged
+
+
+def test_trainer_accumulating_two_sequences_of_different_label_counts_is_vanillas_step(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    logged = run_on_ranks(_trainer_accumulating, 2, ckpt, str(tmp_path / "out"))
+    assert logged[0] == logged[1]
