@@ -269,21 +269,23 @@ def _accelerate_loop(ckpt, cp_size, world):
             loss = model(**batch).loss
             accelerator.backward(loss)
         assert torch.equal(batch["input_ids"], given["input_ids"])  # restored: not in no_restore_buffers
-        optimizer.step()
-        optimizer.zero_grad()
         everyone: list = [None] * world  # vanilla trains every replica's sequence: DDP's mean over replicas
         dist.all_gather_object(everyone, given)
         ref_losses = [ref(input_ids=b["input_ids"], labels=b["labels"]).loss for b in everyone[::cp_size]]
         torch.stack(ref_losses).mean().backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+        topology = hf_rtp.state_of(model).topology
+        # every gradient before the step (AdamW's step would hide a gradient off by a constant factor)
+        unwrapped = accelerator.unwrap_model(model)
+        assert_matches(unwrapped, ref, topology.rtp_size, topology.rtp_rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        for o in (optimizer, ref_optimizer):
+            o.step()
+            o.zero_grad()
         assert all(
             torch.equal(b["input_ids"], given["input_ids"])
             for b in everyone[dist.get_rank() // cp_size * cp_size :][:cp_size]
         )
         torch.testing.assert_close(loss, ref_losses[dist.get_rank() // cp_size], atol=1e-7, rtol=1e-6)
         losses.append(loss.item())
-    topology = hf_rtp.state_of(model).topology
     assert_matches(accelerator.unwrap_model(model), ref, topology.rtp_size, topology.rtp_rank, "param", atol=STEP_ATOL)
     if replicas > 1:  # a flat ring of every rank under cp_size=2: refused by name, not trained on the wrong groups
         flat = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa")
