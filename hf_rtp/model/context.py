@@ -9,7 +9,8 @@ ring (the sum's backward is a sum too, so every rank's gradient is the ring's; t
 then gives the whole sequence's gradient). Under Trainer, which passes `num_items_in_batch` and
 multiplies the loss by the number of processes itself, the loss is left to it.
 
-What the ring attention does not reproduce is refused by name: padding masks, packed sequences,
+Right padding is exact (a token never attends to the padding after it; padded positions carry no labels);
+what the ring attention does not reproduce is refused by name: left padding, packed sequences,
 sliding windows shorter than the sequence, soft-capping, attention sinks, attention dropout,
 implementations other than SDPA, and generation.
 """
@@ -153,8 +154,25 @@ ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _attention)  # a new name: no other 
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, _mask)
 
 
-def _check_inputs(run: ContextRun, kwargs: dict) -> None:
-    """This rank's inputs inside a block, or SettingError naming what is wrong (agreed by the caller)."""
+def _padding(run: ContextRun, mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Per row of the batch, (the last kept position, the first padded one) over the whole sequence: one small
+    all-reduce on every rank of the ring, whatever its mask, before the ranks agree on their inputs."""
+    if run.ring.group is None:
+        return None
+    positions = run.positions(mask.device if mask is not None else None)
+    extent = torch.stack([torch.full((batch,), -1), torch.full((batch,), -run.layout.length)]).to(positions.device)
+    if mask is not None and mask.dim() == 2 and mask.shape == (batch, positions.numel()):
+        kept = mask.bool()
+        extent[0] = torch.where(kept, positions, -1).amax(1)
+        extent[1] = -torch.where(kept, run.layout.length, positions).amin(1)
+    dist.all_reduce(extent, op=dist.ReduceOp.MAX, group=run.ring.group)
+    extent[1] = -extent[1]
+    return extent
+
+
+def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor | None = None) -> None:
+    """This rank's inputs inside a block, or SettingError naming what is wrong (agreed by the caller).
+    `padding`: `_padding`'s extents."""
     local = run.layout.local_length(run.rank)
     tokens = kwargs.get("input_ids")
     if tokens is None:
@@ -179,11 +197,21 @@ def _check_inputs(run: ContextRun, kwargs: dict) -> None:
             "give one sequence per row, positions 0..S-1"
         )
     mask = kwargs.get("attention_mask")
-    if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
+    if mask is not None and mask.dim() != 2:
+        raise SettingError(f"context parallelism takes a 2-D attention_mask (padding), not a {mask.dim()}-D one")
+    if padding is not None and bool((padding[0] >= padding[1]).any()):
         raise SettingError(
-            "context parallelism supports the causal mask of whole sequences only: this attention_mask pads or "
-            "masks tokens (pad to the same length without padding tokens, or pack without padding)"
+            "context parallelism supports right padding only: this attention_mask masks tokens before others it "
+            "keeps (left padding, or holes). Pad sequences on the right (tokenizer.padding_side = 'right')"
         )
+    if mask is not None and kwargs.get("shift_labels") is not None:
+        padded = ~mask.bool()
+        if bool((kwargs["shift_labels"][padded] != IGNORE_INDEX).any()):
+            raise SettingError(
+                "context parallelism: padding tokens carry labels (a padded position's shift_label is not -100). "
+                "Vanilla computes their loss with attention masked to nothing, which ring attention does not "
+                "reproduce: set labels to -100 on padding, as transformers' data collators do"
+            )
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise SettingError(
             "context parallelism needs shift_labels (labels shifted before sharding: a chunk's last token's "
@@ -202,8 +230,13 @@ def _check_inputs(run: ContextRun, kwargs: dict) -> None:
 
 def check(run: ContextRun, kwargs: dict) -> None:
     """A forward's inputs inside a block, checked on every rank together: all go on, or all raise."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    mask = kwargs.get("attention_mask")
+    padding = _padding(run, mask, tokens.shape[0] if tokens is not None else 1)
     with agreed(run.control, SettingError):
-        _check_inputs(run, kwargs)
+        _check_inputs(run, kwargs, padding)
 
 
 def attended(run: ContextRun, before: int) -> None:

@@ -46,7 +46,8 @@ def _lora(model):
 def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
     """One training step of hf_rtp under context parallelism beside vanilla's on the whole sequence.
 
-    variant: "plain" (float64), "lora" (PEFT adapters), "unfused" (fused_loss=False: each rank's logits),
+    variant: "plain" (float64), "padded" (right padding, its labels -100, and its attention_mask),
+    "lora" (PEFT adapters), "unfused" (fused_loss=False: each rank's logits),
     "autocast" (float32 weights, bf16 autocast: bf16 partial outputs, so bf16-sized gaps), "qlora" (an NF4
     base from quantization_config with float32 LoRA adapters; vanilla on its training path)."""
     import torch.distributed as dist
@@ -54,7 +55,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
 
     import hf_rtp
 
-    dtype = torch.float64 if variant in ("plain", "lora", "unfused") else torch.float32
+    dtype = torch.float64 if variant in ("plain", "padded", "lora", "unfused") else torch.float32
     options: dict = dict(dtype=dtype, attn_implementation="sdpa")
     if "mixtral" in ckpt:
         options["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
@@ -73,6 +74,10 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
         model, ref = _lora(model), _lora(ref)
     optimizers = adamw(model, ref)
     batch = _batch(seq)
+    if variant == "padded":  # what a collator pads a shorter sequence with: zeros in the mask, -100 in the labels
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][1, -4:] = 0
+        batch["labels"][1, -4:] = -100
     given = {k: v.clone() for k, v in batch.items()}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
         with hf_rtp.context_parallel(model, batch):
@@ -135,6 +140,7 @@ def test_one_sequence_across_the_ring_is_vanillas(tmp_path, world, seq, checkpoi
     "arch,world,seq,variant,checkpointing",
     [
         ("llama", 2, 11, "lora", True),
+        ("llama", 3, 13, "padded", False),
         ("llama", 3, 10, "unfused", False),
         ("llama", 2, 13, "autocast", True),
         ("llama", 2, 11, "qlora", True),
@@ -145,7 +151,8 @@ def test_one_sequence_across_the_ring_is_vanillas(tmp_path, world, seq, checkpoi
     ids=lambda v: str(v),
 )
 def test_the_configurations_beside_it(tmp_path, arch, world, seq, variant, checkpointing):
-    """LoRA, each rank's own logits (fused_loss=False), bf16 autocast, QLoRA with checkpointing, Mixtral's
+    """LoRA, right padding at 3 ranks, each rank's own logits (fused_loss=False), bf16 autocast, QLoRA with
+    checkpointing, Mixtral's
     experts (router aux loss off: see the refusals), Qwen2's q/k/v biases, GPT-2's learned positions."""
     overrides = {"output_router_logits": False} if arch == "mixtral" else {}
     if variant == "qlora":  # rows of 64 values: each rank's rows quantize as the whole weight does
@@ -172,8 +179,11 @@ def _refusals(llama, qwen_window, mixtral_aux):
 
     padded = _batch(11)
     padded["attention_mask"] = torch.ones_like(padded["input_ids"])
-    padded["attention_mask"][0, -3:] = 0
-    refused(padded, "pads or masks")
+    padded["attention_mask"][0, -3:] = 0  # right padding whose tokens keep their labels
+    refused(padded, "padding tokens carry labels")
+    padded["labels"][0, -3:] = -100
+    padded["attention_mask"][0, :2] = 0  # and left padding
+    refused(padded, "right padding only")
     packed = _batch(11)
     packed["position_ids"] = torch.cat([torch.arange(6), torch.arange(5)]).expand(2, -1).contiguous()
     refused(packed, "Packed sequences")
@@ -236,7 +246,7 @@ def test_what_it_does_not_compute_is_refused_on_every_rank_by_name(tmp_path):
     window = make_tiny("qwen2", tmp_path / "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     mixtral = make_tiny("mixtral", tmp_path / "mixtral")
     results = run_on_ranks(_refusals, 2, llama, window, mixtral)
-    assert [r[0] for r in results] == [8, 8]
+    assert [r[0] for r in results] == [9, 9]
     assert results[0][1] == results[1][1]
 
 
