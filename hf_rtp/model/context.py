@@ -9,8 +9,9 @@ ring (the sum's backward is a sum too, so every rank's gradient is the ring's; t
 then gives the whole sequence's gradient). Under Trainer, which passes `num_items_in_batch` and
 multiplies the loss by the number of processes itself, the loss is left to it.
 
-Right padding is exact (a token never attends to the padding after it; padded positions carry no labels);
-what the ring attention does not reproduce is refused by name: left padding, packed sequences,
+Right padding is exact (a token never attends to the padding after it; padded positions carry no labels), and
+so are packed documents (position_ids restarting: each attends within its own, as transformers separates them);
+what the ring attention does not reproduce is refused by name: left padding,
 sliding windows shorter than the sequence, soft-capping, attention sinks, attention dropout,
 implementations other than SDPA, and generation.
 """
@@ -23,7 +24,7 @@ import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +63,9 @@ class ContextRun:
     """ring attentions run with autograd recording in this block"""
     calls: int = 0
     """ring attentions run in this block (every decoder layer's, every forward)"""
+    documents: dict = field(default_factory=dict)
+    """id(position_ids) -> (position_ids, each row's packed documents' starts or None): what each forward's
+    attention (and its recomputation under checkpointing, which passes the same tensor) attends within"""
     backward_ran: bool = False
 
     @property
@@ -105,7 +109,11 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         )
     _check_attention(run, module, query, attention_mask, dropout, kwargs)
     run.calls += 1
-    out = ring_attention(query, key, value, scaling, run.ring, run.layout)
+    positions = kwargs.get("position_ids")
+    known = run.documents.get(id(positions)) if positions is not None else None
+    if known is None and run.documents:  # a model whose layers are not given position_ids: the latest forward's
+        known = next(reversed(run.documents.values()))
+    out = ring_attention(query, key, value, scaling, run.ring, run.layout, known[1] if known else None)
     if out.requires_grad:
         run.graphs += 1
         out.register_hook(lambda grad: _backward_seen(run, grad))
@@ -159,10 +167,10 @@ def _padding(run: ContextRun, mask: torch.Tensor | None, batch: int) -> torch.Te
     all-reduce on every rank of the ring, whatever its mask, before the ranks agree on their inputs."""
     if run.ring.group is None:
         return None
-    positions = run.positions(mask.device if mask is not None else None)
+    positions = run.positions(_collective_device(run))
     extent = torch.stack([torch.full((batch,), -1), torch.full((batch,), -run.layout.length)]).to(positions.device)
     if mask is not None and mask.dim() == 2 and mask.shape == (batch, positions.numel()):
-        kept = mask.bool()
+        kept = mask.to(positions.device).bool()
         extent[0] = torch.where(kept, positions, -1).amax(1)
         extent[1] = -torch.where(kept, run.layout.length, positions).amin(1)
     dist.all_reduce(extent, op=dist.ReduceOp.MAX, group=run.ring.group)
@@ -189,12 +197,10 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor | None = 
             "adds them; hf_rtp.context_parallel(model, batch) adds them; with maybe_context_parallel, add "
             "torch.arange(seq_len) expanded to the batch to `buffers`)"
         )
-    want = run.positions(positions.device)
-    if positions.shape[-1] != local or not bool((positions == want).all()):
+    if positions.shape[-1] != local:
         raise SettingError(
-            f"context parallelism: rank {run.rank}'s position_ids are not its share of 0..{run.layout.length - 1}. "
-            "Packed sequences (position_ids that restart) and offsets are not supported with context parallelism: "
-            "give one sequence per row, positions 0..S-1"
+            f"context parallelism: rank {run.rank}'s position_ids hold {positions.shape[-1]} tokens, not its "
+            f"{local} of the sequence: shard them with the other buffers"
         )
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() != 2:
@@ -218,8 +224,10 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor | None = 
             "target lies in another chunk). Trainer and hf_rtp.context_parallel(model, batch) add them; with "
             "maybe_context_parallel, add F.pad(labels, (0, 1), value=-100)[:, 1:] to the batch and to `buffers`"
         )
-    if kwargs.get("past_key_values") is not None:
-        raise SettingError("context parallelism does not take past_key_values (a cache): it trains whole sequences")
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache"):
+        raise SettingError(
+            "context parallelism keeps no cache (past_key_values, use_cache=True): it trains whole sequences"
+        )
     config = getattr(run.model, "config", None)
     if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
         raise SettingError(
@@ -229,14 +237,51 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor | None = 
 
 
 def check(run: ContextRun, kwargs: dict) -> None:
-    """A forward's inputs inside a block, checked on every rank together: all go on, or all raise."""
+    """A forward's inputs inside a block, checked on every rank together: all go on, or all raise; then the
+    documents packed in each row, from the whole sequence's position_ids, for the ring attention."""
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
-    mask = kwargs.get("attention_mask")
-    padding = _padding(run, mask, tokens.shape[0] if tokens is not None else 1)
+    batch = tokens.shape[0] if tokens is not None else 1
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    padding = _padding(run, mask, batch)
+    everywhere = _whole_positions(run, positions, batch)
     with agreed(run.control, SettingError):
         _check_inputs(run, kwargs, padding)
+    if positions is not None:
+        run.documents[id(positions)] = (positions, None if mask is not None else _documents(everywhere))
+
+
+def _whole_positions(run: ContextRun, positions: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """The whole sequence's position_ids [batch, S], from every rank's share (one all-gather on the ring, every
+    rank, whatever it holds: a share of the wrong shape is sent as -1 and refused by the check after)."""
+    layout, size = run.layout, run.ring.size
+    widest = max(layout.local_length(r) for r in range(size))
+    local = layout.local_length(run.rank)
+    mine = torch.full((batch, widest), -1, dtype=torch.long)
+    if positions is not None and positions.dim() == 2 and positions.shape[-1] == local:
+        mine[:, :local] = positions.expand(batch, -1).to(mine.device, torch.long)
+    mine = mine.to(_collective_device(run))
+    shares = [mine] if run.ring.group is None else [torch.empty_like(mine) for _ in range(size)]
+    if run.ring.group is not None:
+        dist.all_gather(shares, mine, group=run.ring.group)
+    whole = torch.full((batch, layout.length), -1, dtype=torch.long)
+    for rank, share in enumerate(shares):
+        whole[:, layout.positions(rank)] = share[:, : layout.local_length(rank)].cpu()
+    return whole
+
+
+def _collective_device(run: ContextRun) -> torch.device:
+    """Where the ring's collectives take their tensors: NCCL's on the current GPU, gloo's on the CPU."""
+    nccl = run.ring.group is not None and dist.get_backend(run.ring.group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _documents(whole: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
+    """Per row, where its packed documents start: wherever a position is not the one before plus one, as
+    transformers finds packed sequences when there is no attention_mask. None when every row is one document."""
+    starts = tuple((0, *(torch.nonzero(row[1:] != row[:-1] + 1).flatten() + 1).tolist()) for row in whole)
+    return None if all(s == (0,) for s in starts) else starts
 
 
 def attended(run: ContextRun, before: int) -> None:
@@ -254,8 +299,12 @@ def attended(run: ContextRun, before: int) -> None:
 
 
 def forward(run: ContextRun, plain, kwargs: dict):
-    """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's."""
+    """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's.
+
+    It keeps no cache (use_cache=False, as TRL's trainers pass): transformers separates packed sequences
+    (position_ids that restart) only when a forward has no cache, and a training forward in a block needs none."""
     check(run, kwargs)
+    kwargs = {**kwargs, "use_cache": False}
     before = run.calls
     if kwargs.get("labels") is None or kwargs.get("num_items_in_batch") is not None:
         out = plain(**kwargs)  # Trainer: num_items_in_batch counts the sequence; it scales the loss itself

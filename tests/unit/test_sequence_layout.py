@@ -74,3 +74,37 @@ def test_a_ring_of_one_is_sdpa_with_gqa_in_float64():
     mine_all, theirs_all = torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
     for mine, theirs in zip(mine_all, theirs_all, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("starts", [(0, 4), (0, 2, 3, 7), (0,)])
+def test_packed_documents_attend_within_themselves_exactly_once(starts):
+    """Queries and keys cut where documents start: the blocks cover the block-diagonal causal mask."""
+    queries = [(0, 0, 5), (5, 9, 2)]  # a rank's two chunks of an 11-token row
+    keys = [(0, 0, 5), (5, 5, 4), (9, 9, 2)]
+    q_pos, k_pos = _positions(queries), _positions(keys)
+    doc = lambda p: max(i for i, s in enumerate(starts) if s <= p)  # noqa: E731
+    seen = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
+    for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
+        part = torch.ones(qb - qa, kb - ka, dtype=torch.int64)
+        seen[qa:qb, ka:kb] += part.tril() if causal else part
+    want = torch.tensor([[int(k_pos[k] <= q_pos[q] and doc(k_pos[k]) == doc(q_pos[q])) for k in k_pos] for q in q_pos])
+    assert torch.equal(seen, want)
+
+
+def test_rows_packed_differently_each_attend_within_their_documents():
+    torch.manual_seed(1)
+    q = torch.randn(2, 2, 9, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    docs = ((0, 4), (0, 2, 6))
+    got = ring_attention(q, k, v, 0.5, Ring(None), SequenceLayout(9, 1), docs)
+    index = torch.arange(9)
+    masks = []
+    for starts in docs:
+        doc = torch.bucketize(index, torch.tensor(starts), right=True)
+        masks.append((index[None, :] <= index[:, None]) & (doc[None, :] == doc[:, None]))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.stack(masks)[:, None], scale=0.5)
+    torch.testing.assert_close(got, ref, atol=1e-14, rtol=0)
+    grad = torch.randn_like(got)
+    mine_all, theirs_all = torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
+    for mine, theirs in zip(mine_all, theirs_all, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-14, rtol=0)
