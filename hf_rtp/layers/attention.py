@@ -25,6 +25,7 @@ import torch
 
 from ..distributed.ring import Ring
 from ..distributed.sequence import Interval, SequenceLayout
+from ..private.torch_names import flash_attention_cpu, flash_attention_cpu_backward
 
 Block = tuple[tuple[int, int], tuple[int, int], bool]
 """(query rows, key rows, causal): one call of the flash kernel"""
@@ -116,7 +117,7 @@ class RingAttentionFn(torch.autograd.Function):
             keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
             for starts, b in row_groups:
                 for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
-                    o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    o, m = flash_attention_cpu(
                         q[b, :, qa:qb], _heads(held[0][ka:kb, b], groups),
                         _widened(_heads(held[1][ka:kb, b], groups), width), 0.0, causal, scale=scale,
                     )  # fmt: skip
@@ -153,7 +154,7 @@ class RingAttentionFn(torch.autograd.Function):
             keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
             for starts, b in row_groups:
                 for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
-                    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dq, dk, dv = flash_attention_cpu_backward(
                         grad_out[b, :, qa:qb], q[b, :, qa:qb], _heads(held[0][ka:kb, b], groups),
                         _widened(_heads(held[1][ka:kb, b], groups), width), out[b, :, qa:qb],
                         kernel_lse[b, :, qa:qb].contiguous(), 0.0, causal, scale=scale,

@@ -57,3 +57,7 @@ def local_tensor(tensor: DTensor) -> torch.Tensor:
 # GradScaler's unscale op: DTensor's handler for it reads the placements of the list's first gradient,
 # so a replicated (plain) gradient first fails there (distributed/rotated.py puts a rotated one first)
 amp_unscale = _get(torch.ops.aten, "_amp_foreach_non_finite_check_and_unscale_").default
+# SDPA's CPU flash kernel and its backward, which return and take the log-sum-exp ring attention merges by
+# (layers/attention.py); F.scaled_dot_product_attention returns the output alone
+flash_attention_cpu = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu").default
+flash_attention_cpu_backward = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward").default

@@ -24,7 +24,8 @@ GATED = {
     "_assert_async", "_local_tensor", "_ddp_params_and_buffers_to_ignore", "_init_weights",
     "_get_resized_embeddings", "_get_resized_lm_head", "_loss_function", "_apply_gate", "_attn_implementation",
     "_no_split_modules", "_models", "_optimizers", "_shared_state", "_amp_foreach_non_finite_check_and_unscale_",
-    "_keep_in_fp32_modules", "_validate_accelerator", "_supports_sdpa",
+    "_keep_in_fp32_modules", "_validate_accelerator", "_supports_sdpa", "_prepare_cp",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
 }  # fmt: skip
 LIBRARIES = ("torch", "transformers", "accelerate")
 
