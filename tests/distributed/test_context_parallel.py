@@ -334,6 +334,20 @@ class _Sequences(torch.utils.data.Dataset):
         return self.items[i]
 
 
+# one logged optimizer step, unclipped: clipping would hide a gradient off by a constant factor
+_ONE_STEP = dict(
+    max_steps=1,
+    per_device_train_batch_size=1,
+    learning_rate=1e-2,
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    logging_steps=1,
+    save_strategy="no",
+    max_grad_norm=0.0,
+)
+
+
 def _trainer_step(ckpt, out, through_arguments, trl=None, packing=False):
     """One Trainer step (`trl`: TRL's SFTTrainer, or another TRL trainer, refused) under context parallelism,
     beside vanilla's step on the sequence the sampler drew."""
@@ -355,18 +369,7 @@ def _trainer_step(ckpt, out, through_arguments, trl=None, packing=False):
         if packing:  # padding-free packing: documents end to end in a row, position_ids restarting
             options.update(packing=True, padding_free=True, max_length=32)
     args = TrainingArguments(
-        **options,
-        output_dir=out,
-        max_steps=1,
-        per_device_train_batch_size=1,
-        learning_rate=1e-2,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1,
-        save_strategy="no",
-        max_grad_norm=0.0,  # unclipped: a gradient off by a constant factor would survive clipping unseen
-        parallelism_config=config if through_arguments else None,
+        **options, **_ONE_STEP, output_dir=out, parallelism_config=config if through_arguments else None
     )
     if not through_arguments:  # after TrainingArguments, which resets accelerate's shared state
         hf_rtp.Accelerator(parallelism_config=config)  # which then carries a config accelerate accepted
@@ -507,19 +510,7 @@ def _trainer_accumulating(ckpt, out):
     import hf_rtp
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, attn_implementation="sdpa")
-    args = TrainingArguments(
-        output_dir=out,
-        max_steps=1,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1,
-        save_strategy="no",
-        max_grad_norm=0.0,  # unclipped: a gradient off by a constant factor would survive clipping unseen
-    )
+    args = TrainingArguments(**_ONE_STEP, output_dir=out, gradient_accumulation_steps=2)
     hf_rtp.Accelerator(parallelism_config=ParallelismConfig(cp_size=2))
     data = _Sequences(2, 11)
     for s, item in enumerate(data.items):

@@ -135,8 +135,8 @@ def long_sequence_ratios(rows: list[dict]) -> list[str]:
                 f"{same['peak_gb'] / rtp['peak_gb']:.2f}x"
             )
         out.append(
-            f"N={n}: FSDP2 with torch's context_parallel: not run on the CPU (its ring attention handles CUDA SDPA "
-            "kernels only)"
+            f"N={n}: FSDP2 with torch's context_parallel: not run (not a strategy of the bench; on the CPU torch's "
+            "ring attention handles CUDA SDPA kernels only)"
         )
     return out
 
