@@ -35,8 +35,8 @@ def _documents(runs: list[Interval], starts: tuple[int, ...]) -> list[tuple[int,
     """Runs cut where a document starts (packed sequences), each tagged with its document's index."""
     out = []
     for row, pos, n in runs:
-        edges = [pos, *(s for s in starts if pos < s < pos + n), pos + n]
-        for a, b in itertools.pairwise(edges):
+        inside = starts[bisect.bisect_right(starts, pos) : bisect.bisect_left(starts, pos + n)]
+        for a, b in itertools.pairwise([pos, *inside, pos + n]):
             out.append((row + a - pos, a, b - a, bisect.bisect_right(starts, a) - 1))
     return out
 
@@ -46,11 +46,12 @@ def _blocks(queries: list[Interval], keys: list[Interval], starts: tuple[int, ..
     each a rectangle fully visible or a square causal within itself; with `starts`, the positions where packed
     documents start, a query sees only its own document's keys."""
     blocks: list[Block] = []
+    by_document: dict[int, list[tuple[int, int, int, int]]] = {}
+    for run in _documents(keys, starts):
+        by_document.setdefault(run[3], []).append(run)
     for q_row, q0, q_len, q_doc in _documents(queries, starts):
         q1 = q0 + q_len
-        for k_row, k0, k_len, k_doc in _documents(keys, starts):
-            if k_doc != q_doc:
-                continue
+        for k_row, k0, k_len, _ in by_document.get(q_doc, ()):
             k1 = k0 + k_len
             lo, hi = max(q0, k0), min(q1, k1)  # queries inside the key run: causal square, plus keys before it
             if hi > lo:
