@@ -23,6 +23,8 @@ _FIRST = (
     "tests/e2e/test_bench_rank_server.py",
     "tests/e2e/test_recipe_with_trainer_and_qlora.py",
     "tests/e2e/test_trl_sft_script.py",
+    "tests/e2e/test_recipe_context_parallel.py",
+    "tests/distributed/test_context_parallel.py",
     "tests/distributed/test_zoo.py",
     "tests/distributed/test_bad_input.py",
     "tests/faults/test_resume_faults.py",
