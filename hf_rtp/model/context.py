@@ -404,8 +404,8 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
         )
     run = ContextRun(inner, ring, SequenceLayout(length, ring.size), topology.control)
     _ACTIVE.append(run)
-    set_attention_implementation(config, ATTENTION)
     try:
+        set_attention_implementation(config, ATTENTION)
         yield run
     finally:
         set_attention_implementation(config, implementation)
@@ -473,10 +473,10 @@ def sharded(
     with running(model, lengths.pop(), cp_size) as run:
         agree(run, buffers, state.topology)
         saved = [(b, b.clone()) for b in buffers if not any(b is k for k in keep)]
-        for b, d in zip(buffers, buffer_seq_dims, strict=True):
-            local = run.layout.shard(b, d, run.rank)
-            b.resize_(local.shape).copy_(local)
-        try:
+        try:  # a buffer that cannot be cut in place (a leaf that requires grad) leaves the others whole again
+            for b, d in zip(buffers, buffer_seq_dims, strict=True):
+                local = run.layout.shard(b, d, run.rank)
+                b.resize_(local.shape).copy_(local)
             yield
         finally:
             for b, original in saved:
