@@ -154,7 +154,7 @@ def _check_attention(run: ContextRun, module, query, attention_mask, dropout, kw
 
 def _mask(*args, **kwargs):
     """The mask interface under ATTENTION: no mask, the ring attention is causal over global positions
-    (forward checks the 2-D mask is all ones, on every rank together)."""
+    (forward checks that a 2-D mask only pads on the right, on every rank together)."""
     return None
 
 
@@ -178,13 +178,16 @@ def _padding(run: ContextRun, mask: torch.Tensor | None, batch: int) -> torch.Te
     return extent
 
 
+def _tokens(kwargs: dict) -> torch.Tensor | None:
+    tokens = kwargs.get("input_ids")
+    return tokens if tokens is not None else kwargs.get("inputs_embeds")
+
+
 def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor | None = None) -> None:
     """This rank's inputs inside a block, or SettingError naming what is wrong (agreed by the caller).
     `padding`: `_padding`'s extents."""
     local = run.layout.local_length(run.rank)
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
+    tokens = _tokens(kwargs)
     if tokens is not None and tokens.shape[1] != local:
         raise SettingError(
             f"context parallelism: rank {run.rank} was given {tokens.shape[1]} tokens, but holds {local} of the "
@@ -239,11 +242,8 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor | None = 
 def check(run: ContextRun, kwargs: dict) -> None:
     """A forward's inputs inside a block, checked on every rank together: all go on, or all raise; then the
     documents packed in each row, from the whole sequence's position_ids, for the ring attention."""
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    batch = tokens.shape[0] if tokens is not None else 1
-    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    tokens, mask, positions = _tokens(kwargs), kwargs.get("attention_mask"), kwargs.get("position_ids")
+    batch = next((t.shape[0] for t in (tokens, positions, mask) if t is not None and t.dim() >= 2), 1)
     padding = _padding(run, mask, batch)
     everywhere = _whole_positions(run, positions, batch)
     with agreed(run.control, SettingError):
@@ -259,7 +259,12 @@ def _whole_positions(run: ContextRun, positions: torch.Tensor | None, batch: int
     widest = max(layout.local_length(r) for r in range(size))
     local = layout.local_length(run.rank)
     mine = torch.full((batch, widest), -1, dtype=torch.long)
-    if positions is not None and positions.dim() == 2 and positions.shape[-1] == local:
+    if (
+        positions is not None
+        and positions.dim() == 2
+        and positions.shape[0] in (1, batch)
+        and positions.shape[-1] == local
+    ):
         mine[:, :local] = positions.expand(batch, -1).to(mine.device, torch.long)
     mine = mine.to(_collective_device(run))
     shares = [mine] if run.ring.group is None else [torch.empty_like(mine) for _ in range(size)]

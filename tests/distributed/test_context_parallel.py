@@ -243,6 +243,9 @@ def _refusals(llama, qwen_window, mixtral_aux):
     with hf_rtp.context_parallel(model, batch):
         loss = model(**batch).loss
         loss.backward()
+        with torch.no_grad():  # input_ids passed by position, as vanilla accepts them: the same loss
+            rest = {k: v for k, v in batch.items() if k != "input_ids"}
+            assert torch.equal(model(batch["input_ids"], **rest).loss, loss.detach())
     with torch.no_grad():  # outside a block the model is an ordinary rotated model again
         plain = model(**_batch(11)).loss
     return len(seen), loss.item(), plain.item()
