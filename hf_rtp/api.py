@@ -35,6 +35,7 @@ from .integrations.accelerate import adopt_caller as adopt_accelerator
 from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import install_when_peft_is_imported
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
+from .model import traffic
 from .model.data_parallel import ignore_rotated_in_ddp
 from .model.fused_head import install_forward
 from .model.generation import generate
@@ -66,6 +67,7 @@ def from_pretrained(
     verify_weights: str = "auto",
     auto_class=None,
     reduce_dtype: str | torch.dtype | None = None,
+    rotation_moves: str = "auto",
     **kwargs,
 ) -> PreTrainedModel:
     """Load a checkpoint with its weights rotated across all ranks. Every rank calls it.
@@ -115,6 +117,12 @@ def from_pretrained(
             and on a 2-D grid the sum over replicas runs on `.grad`, in that dtype.
             Weights need no setting: under autocast they travel in its dtype (bf16 over float32
             weights sends half the bytes, with the same matmul inputs as casting at each matmul).
+        rotation_moves: what a rotated op moves around the ring in a forward. "auto" (default): whichever is
+            fewer bytes per hop for this forward's tokens, the op's weight pieces (training, prefill) or the
+            tokens' inputs and outputs (a decode step: each rank applies its own rows to every rank's tokens
+            and the outputs go home); the same outputs either way. "weights" or "activations" force one
+            (activations only in forwards whose ranks agreed on their token counts; backward always moves
+            weights). Every rank must pass the same value.
         kwargs: transformers' own keywords, with vanilla's meaning: `config=`, `subfolder`, `variant`,
             `use_safetensors`, `output_loading_info` (then a (model, info) pair is returned),
             `generation_config`, `torch_dtype`, `device_map` that puts the whole model on one device
@@ -126,7 +134,9 @@ def from_pretrained(
     """
     options = keywords.resolve(kwargs, dtype, device)
     dtype, device = options.dtype, options.device
-    settings = Settings.resolve(device, timeout, rotation_piece_size, verify_weights, fused_loss, reduce_dtype)
+    settings = Settings.resolve(
+        device, timeout, rotation_piece_size, verify_weights, fused_loss, reduce_dtype, rotation_moves
+    )
     topology = setup(settings, device_mesh, rtp_size)
     with agreed(topology.control, TopologyError):
         faults.check()  # a misspelt fault point is an error, not a test that injects nothing
@@ -221,6 +231,7 @@ def from_pretrained(
         fused_loss=settings.fused_loss,
         verify_weights=settings.verify_weights,
         reduce_dtype=settings.reduce_dtype,
+        rotation_moves=settings.rotation_moves,
     )
     bind(model, RTPState(topology, plan, resolution, sources, load_like))
     if is_causal_lm(model):
@@ -348,7 +359,11 @@ def bind(model: nn.Module, state: RTPState) -> nn.Module:
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
-        backbone.register_forward_pre_hook(lambda module, args: _before_forward(state))
+        backbone.register_forward_pre_hook(
+            lambda module, args, kwargs: _before_forward(state, args, kwargs), with_kwargs=True
+        )
+        # after the model's forward (its LM head included), also when it raised: ops outside a forward move weights
+        model.register_forward_hook(lambda *_: traffic.clear(state.topology.ring), always_call=True)
         install_when_peft_is_imported()  # process-wide, until PEFT knows the `rtp` mesh
     return model
 
@@ -376,13 +391,15 @@ def _save_pretrained(model, *args, **kwargs):
     return save_pretrained(model, *args, **kwargs)
 
 
-def _before_forward(state: RTPState) -> None:
+def _before_forward(state: RTPState, args: tuple, kwargs: dict) -> None:
     # An Accelerator built after from_pretrained can still have come up undistributed: its prepare
     # never tells us, its first forward does. A dict lookup when accelerate is not in use.
     check_accelerate_state(state.topology.world_size)
     check_attached()  # a Trainer that never placed the model is attached here, before it saves
     faults.point("forward")
-    state.topology.enter("forward")
+    ring = state.topology.ring
+    # the meeting also settles what this forward's rotated ops move (model.traffic)
+    traffic.agree(ring, state.topology.enter("forward", traffic.payload(ring, args, kwargs)))
 
 
 def _generation_config(directory: str, model):

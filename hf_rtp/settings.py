@@ -24,6 +24,7 @@ DEFAULT_ENTRY_TIMEOUT = timedelta(seconds=60)
 DEFAULT_PIECE_SIZE = "16MB"
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400.0
 VERIFY_MODES = ("auto", "full")
+MOVES = ("auto", "weights", "activations")  # rotation_moves
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -42,6 +43,9 @@ class Settings:
     fused_loss: bool
     reduce_dtype: torch.dtype | None = None
     """what rotated gradients travel and are summed in (None: the parameter's dtype)"""
+    rotation_moves: str = "auto"
+    """what a rotated op moves around the ring in a forward: "auto" (whichever is fewer bytes per hop, the
+    weight pieces or the tokens), "weights" or "activations" (distributed.ring.Traffic)"""
 
     @classmethod
     def resolve(
@@ -52,7 +56,10 @@ class Settings:
         verify_weights: str = "auto",
         fused_loss: bool = True,
         reduce_dtype: str | torch.dtype | None = None,
+        rotation_moves: str = "auto",
     ) -> Settings:
+        if rotation_moves not in MOVES:
+            raise SettingError(f"rotation_moves must be one of {', '.join(map(repr, MOVES))}, got {rotation_moves!r}")
         if verify_weights not in VERIFY_MODES:
             raise SettingError(f"verify_weights must be 'auto' or 'full', got {verify_weights!r}")
         if isinstance(reduce_dtype, str):
@@ -69,6 +76,7 @@ class Settings:
             verify_weights=verify_weights,
             fused_loss=bool(fused_loss),
             reduce_dtype=reduce_dtype,
+            rotation_moves=rotation_moves,
         )
 
 

@@ -11,12 +11,15 @@ import os
 import socket
 import time
 import zlib
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveMisuseError
+
+PAYLOAD = 3  # integers a meeting carries beside the call's name: one fixed width, whatever the call
 
 _CALLS = {
     zlib.crc32(c.encode()): c
@@ -41,14 +44,18 @@ def enter(
     timeout: timedelta,
     who: str = "rank",
     processes: tuple[tuple[str, int], ...] = (),
-) -> None:
+    payload: Sequence[int] = (),
+) -> list[list[int]]:
     """Meet every other rank (`who`: every rank of the ring, say) at the start of `call` on the `entry`
     group, or fail on every rank that came. `processes`, every global rank's (host, pid), lets a failure
     name the ranks on this host whose process is gone or stopped, or else those on any host that do not
-    answer a roll call."""
+    answer a roll call. `payload`: up to PAYLOAD integers each rank brings along (what a forward's ranks
+    agree on, model/traffic.py); every rank's are returned, zero-padded, in rank order."""
+    if len(payload) > PAYLOAD:
+        raise ValueError(f"a meeting carries at most {PAYLOAD} integers, got {len(payload)}")
     if world_size == 1:
-        return
-    mine = torch.tensor([zlib.crc32(call.encode())], dtype=torch.int64)
+        return [[*payload, *[0] * (PAYLOAD - len(payload))]]
+    mine = torch.tensor([zlib.crc32(call.encode()), *payload, *[0] * (PAYLOAD - len(payload))], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(world_size)]
     start = time.monotonic()
     try:
@@ -74,14 +81,15 @@ def enter(
             f"Call {call} on every rank (not under `if accelerator.is_main_process:`), and give every rank "
             "the same number of batches."
         ) from err
-    if len({int(t) for t in everyone}) > 1:
-        _CALLS.setdefault(int(mine), call)
-        names = [_CALLS.get(int(t), "another hf_rtp call") for t in everyone]
+    if len({int(t[0]) for t in everyone}) > 1:
+        _CALLS.setdefault(int(mine[0]), call)
+        names = [_CALLS.get(int(t[0]), "another hf_rtp call") for t in everyone]
         raise CollectiveMisuseError(
             "ranks entered different collective calls at once: "
             + ", ".join(f"{who} {r}: {n}" for r, n in enumerate(names))
             + ". Every rank must make the same calls in the same order."
         )
+    return [t[1:].tolist() for t in everyone]
 
 
 def _missing(processes: tuple[tuple[str, int], ...]) -> str:
@@ -144,3 +152,39 @@ def _state(pid: int) -> str:
         return "gone"
     except (OSError, IndexError):
         return "?"
+
+
+_SHOWN = 60  # bytes of each differing value a failure shows per rank
+
+
+def same_settings(call: str, settings: dict[str, str], entry: dist.ProcessGroup | None, world_size: int) -> None:
+    """Every rank passed `call` the same `settings` (name -> its value's repr, the same names on every rank), or
+    every rank fails at once, naming each setting that differs with every rank's value. Ranks that already met
+    at `call` (enter) run this right after."""
+    if world_size == 1:
+        return
+    names = sorted(settings)
+    mine = torch.tensor([zlib.crc32(settings[n].encode()) for n in names], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine, group=entry)
+    differ = [n for i, n in enumerate(names) if len({int(t[i]) for t in everyone}) > 1]
+    if not differ:
+        return
+    shown = torch.zeros(len(differ), _SHOWN, dtype=torch.uint8)
+    for i, name in enumerate(differ):
+        text = settings[name].encode()[:_SHOWN]
+        shown[i, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    values = [torch.zeros_like(shown) for _ in range(world_size)]
+    dist.all_gather(values, shown, group=entry)
+
+    def value(rank: int, i: int) -> str:
+        return bytes(values[rank][i].tolist()).rstrip(b"\0").decode(errors="replace")
+
+    raise CollectiveMisuseError(
+        f"ranks called {call} with different settings: "
+        + "; ".join(
+            f"{n} (" + ", ".join(f"rank {r}: {value(r, i)}" for r in range(world_size)) + ")"
+            for i, n in enumerate(differ)
+        )
+        + f". Every rank's {call} steps together: pass every rank the same settings (each rank its own inputs)."
+    )

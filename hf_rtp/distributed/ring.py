@@ -21,12 +21,18 @@ bytes; the cast commutes with the transfer, so every matmul sees the values it s
 are still cut by the parameter's dtype, so the rows per piece do not change with autocast.
 Gradient accumulators travel in `reduce_dtype` (the parameter's dtype unless from_pretrained's
 reduce_dtype says otherwise) and come home cast to the parameter's dtype.
+
+A forward with few tokens (a decode step) moves the tokens instead (`token_walk`): each rank applies its
+own chunk to every rank's tokens, and the outputs travel home in an accumulator, as the weights'
+gradients do in backward. Which one an op moves is decided per call from `traffic`, which every rank of
+the ring agreed at the forward's start (model/traffic.py), so every rank walks the same way.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,6 +46,7 @@ Bundle = Sequence[torch.Tensor]
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
+_TOKEN_TAG = 192
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
 Rows = tuple[int, int]
 
@@ -94,6 +101,24 @@ class BufferPool:
         return [t for (r, *_), t in self._flat.items() if r == role]
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """What every rank of the ring agreed at the start of a forward: the most tokens any rank brings to it
+    (`bound`, rows each rank's tokens travel in), `moves` (from_pretrained's rotation_moves) and whether any
+    rank records gradients (`grad`)."""
+
+    bound: int
+    moves: str
+    grad: bool
+
+    def moves_tokens(self, bound: int, weight_bytes: int, row_bytes: int) -> bool:
+        """Whether an op whose weight chunk is `weight_bytes` and whose `bound` tokens carry `row_bytes` each
+        (their inputs and outputs) moves the tokens: the same answer on every rank, from agreed numbers only."""
+        if self.moves == "weights":
+            return False
+        return self.moves == "activations" or bound * row_bytes < weight_bytes
+
+
 class Ring:
     """Neighbour exchange on `group` (None: a ring of one, which never communicates)."""
 
@@ -125,6 +150,11 @@ class Ring:
             # gloo's batched path has been seen to hang, so it uses plain isend/irecv.
             self._batched = dist.get_backend(group) == "nccl"
         self.pool = BufferPool()
+        self.moves = "auto"
+        """from_pretrained's rotation_moves: what a forward's ops move ("auto": the fewer bytes)"""
+        self.traffic: Traffic | None = None
+        """set at each forward's start by model/traffic.py (None outside a forward: ops move weights)"""
+        self.token_walks = 0  # how many ops moved tokens instead of weights: tests and the bench read it
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
         # what hf_rtp/tools/cost.py models
         self.sent_bytes = 0
@@ -302,6 +332,70 @@ class Ring:
                             m.add_(arrived)
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
+
+    def token_walk(
+        self,
+        own: Bundle,
+        layout: ChunkLayout,
+        tokens: Bundle,
+        fill: Sequence[float],
+        out: torch.Tensor,
+        compute: Callable[[Bundle, torch.Tensor, Rows, Bundle], None],
+        bound: int,
+    ) -> int | None:
+        """Move the tokens instead of the weights: `compute(tokens, out, rows, chunk)` adds this rank's chunk's
+        share of the output of `tokens` into `out` (zeros where it has none: other rows, other experts).
+
+        `tokens` are this rank's token tensors (dim 0: its t tokens); they travel padded to `bound` rows with
+        `fill` (one value per tensor, chosen to contribute nothing), so every rank knows what it receives
+        without asking. `out` [t, ...], zeros, gets this rank's own share first; the other ranks' shares
+        gather in an accumulator that starts at the next rank and travels with the tokens, arriving home
+        after N-1 hops, where it is added: the same shares as the weight walk, each computed by the rank
+        that holds the chunk.
+
+        Returns None when done, or, when some rank brought more tokens than `bound` (an op that sees more
+        than its forward's new tokens: DeepSeek's MLA expands its cached latents), the most any rank brought,
+        which every rank learns by the end of the walk (each token hop carries the largest count seen so
+        far), so every rank then walks again, the same way; `out` is then not filled.
+        """
+        held = self._own_piece(own, layout, layout.bounds(self.rank))
+        rows = layout.bounds(self.rank)
+        count = tokens[0].shape[0]
+        if self.size == 1:
+            compute(tokens, out, rows, held)
+            return None
+        self.token_walks += 1
+        fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
+        travelling = [
+            torch.cat([t[:fits], t.new_full((bound - fits, *t.shape[1:]), f)]) if fits < bound else t[:bound]
+            for t, f in zip(tokens, fill, strict=True)
+        ]
+        most = torch.tensor([count], dtype=torch.int64, device=out.device)
+
+        def empty_like_tokens():
+            return [t.new_empty(t.shape) for t in travelling] + [most.new_empty(1)]
+
+        arriving = empty_like_tokens()
+        pending = self._exchange([*travelling, most], arriving, _TOKEN_TAG)
+        if count <= bound:
+            compute(tokens, out, rows, held)  # this rank's share of its own tokens stays home
+        pending.wait()
+        acc = out.new_zeros(bound, *out.shape[1:])
+        for step in range(1, self.size):
+            *moved, seen = arriving
+            most = torch.maximum(seen, torch.tensor([count], dtype=torch.int64, device=out.device))
+            compute(moved, acc, rows, held)
+            last = step == self.size - 1
+            send = [acc] if last else [*moved, most, acc]
+            arriving = [] if last else empty_like_tokens()
+            landing = out.new_empty(acc.shape)
+            self._exchange(send, [*arriving, landing], _TOKEN_TAG).wait()
+            acc = landing
+        largest = int(most)  # every rank's count, after N-1 token hops
+        if largest > bound:
+            return largest
+        out.add_(acc[:count])
+        return None
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.

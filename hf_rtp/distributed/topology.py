@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,10 +69,16 @@ class Topology:
         """The one rank that writes a gathered checkpoint: ring rank 0 of the first replica."""
         return self.dp_rank == 0 and self.ring.rank == 0
 
-    def enter(self, call: str) -> None:
+    def enter(self, call: str, payload: Sequence[int] = ()) -> list[list[int]]:
         """Meet every other rank at the start of a collective `call`, or fail on every rank that came
-        (rendezvous.enter)."""
-        rendezvous.enter(call, self.entry, self.rank, self.world_size, self.entry_timeout, processes=self.processes)
+        (rendezvous.enter); every rank's `payload`, in rank order."""
+        return rendezvous.enter(
+            call, self.entry, self.rank, self.world_size, self.entry_timeout, processes=self.processes, payload=payload
+        )
+
+    def same_settings(self, call: str, settings: dict[str, str]) -> None:
+        """After `enter(call)`: every rank passed the same settings, or all fail naming the difference."""
+        rendezvous.same_settings(call, settings, self.entry, self.world_size)
 
 
 def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: int | None = None) -> Topology:
@@ -115,6 +122,7 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     column = columns[row.index(rank)]
     replicas, replica_count = replica_groups.get(column), len(column)
     ring = Ring(ring_groups.get(row), settings.piece_bytes, replicas, replica_count, settings.reduce_dtype)
+    ring.moves = settings.rotation_moves
     mesh = None
     if len(row) > 1:
         mesh = RotationMesh.of(

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
+from collections.abc import Callable, Sequence
 from typing import overload
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..distributed.ring import Ring
 from ..distributed.rotated import RotatedTensor, local_chunk
+from ..distributed.sharding import ChunkLayout
+from ..private.torch_names import current_graph_task_id
 
 
 @overload
@@ -48,6 +53,46 @@ def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a, b)
     else:
         acc.add_(a @ b)
+
+
+Compute = Callable[[Sequence[torch.Tensor], torch.Tensor, tuple[int, int], Sequence[torch.Tensor]], None]
+
+
+def rotate_forward(
+    ring: Ring,
+    own: Sequence[torch.Tensor],
+    layout: ChunkLayout,
+    tokens: Sequence[torch.Tensor],
+    fill: Sequence[float],
+    out: torch.Tensor,
+    compute: Compute,
+    dtype: torch.dtype | None = None,
+    backward: bool = False,
+) -> None:
+    """Fill `out` [tokens, ...] with an op's output for `tokens` (each [tokens, ...]): `compute(tokens, out,
+    rows, chunk)` writes or adds the share of the chunk holding `rows`, zeros elsewhere.
+
+    The weights walk the ring (Ring.forward_walk, `dtype`: what they travel in), unless the ranks agreed at
+    this forward's start on so few tokens that moving them (their inputs and outputs, Ring.token_walk,
+    padded with `fill`) costs fewer bytes per hop than a weight chunk. An op that sees more tokens than
+    the forward brought learns so from the walk, on every rank, and decides again by the true count. A
+    backward's recomputation (gradient checkpointing) always moves weights: it runs outside the forward
+    the ranks agreed on.
+    `backward`: the op's backward reads what `compute` leaves of this rank's tokens beside `out` (the
+    experts' activations), so the tokens move only when no rank's forward records gradients.
+    """
+    traffic = ring.traffic
+    if traffic is not None and ring.size > 1 and current_graph_task_id() == -1 and not (backward and traffic.grad):
+        weight_bytes = sum(math.prod(s) for s in layout.global_shapes) // ring.size * own[0].element_size()
+        row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in (*tokens, out))
+        bound: int | None = traffic.bound
+        while bound is not None and traffic.moves_tokens(bound, weight_bytes, row_bytes):
+            out.zero_()
+            # None: done; else the most tokens any rank brought, more than `bound`: walk again, by that bound
+            bound = ring.token_walk(own, layout, tokens, fill, out, compute, bound)
+            if bound is None:
+                return
+    ring.forward_walk(own, layout, lambda rows, chunk: compute(tokens, out, rows, chunk), dtype)
 
 
 def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
-from .common import add_matmul, cast_for_matmul, finish_weight_grads, local
+from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, rotate_forward
 
 
 class _RotatedConv1DFn(torch.autograd.Function):
@@ -21,12 +21,13 @@ class _RotatedConv1DFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         out = x2.new_zeros(x2.shape[0], layout.global_shapes[0][1])
 
-        def compute(rows, chunk):
+        def compute(tokens, out, rows, chunk):
+            (x2,) = tokens
             start, end = rows
             out.addmm_(x2[:, start:end], chunk[0].to(out.dtype))
 
         with torch.autocast(x.device.type, enabled=False):
-            ring.forward_walk([weight], layout, compute, dtype=x.dtype)
+            rotate_forward(ring, [weight], layout, [x2], [0.0], out, compute, dtype=x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.ring, ctx.layout = ring, layout
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -19,7 +19,7 @@ from torch import nn
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
 from ..private.torch_names import assert_async
-from .common import finish_weight_grads, local, source_text
+from .common import finish_weight_grads, local, rotate_forward, source_text
 
 
 def _in_range(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -31,12 +31,13 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
     def forward(ctx, ids, weight, ring: Ring, layout: ChunkLayout, padding_idx: int | None):
         out = weight.new_zeros(*ids.shape, layout.global_shapes[0][1])
 
-        def compute(rows, chunk):
+        def compute(tokens, out, rows, chunk):
+            (flat,) = tokens
             start, end = rows
-            hit = _in_range(ids, start, end)
-            out[hit] = F.embedding(ids[hit] - start, chunk[0])
+            hit = _in_range(flat, start, end)  # -1, the tokens' padding, is in no chunk's range
+            out[hit] = F.embedding(flat[hit] - start, chunk[0])
 
-        ring.forward_walk([weight], layout, compute)
+        rotate_forward(ring, [weight], layout, [ids.reshape(-1)], [-1], out.view(-1, out.shape[-1]), compute)
         ctx.save_for_backward(ids, weight)
         ctx.ring, ctx.layout, ctx.padding_idx = ring, layout, padding_idx
         return out

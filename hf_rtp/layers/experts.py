@@ -19,7 +19,7 @@ from torch import nn
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
 from ..private.transformers_names import experts_gate
-from .common import add_matmul, autocast_dtype, finish_weight_grads, local
+from .common import add_matmul, autocast_dtype, finish_weight_grads, local, rotate_forward
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
 
@@ -71,18 +71,39 @@ class _RotatedExpertsFn(torch.autograd.Function):
         y_all = hidden.new_empty(routes.rows, width, dtype=dtype)
         out = torch.zeros_like(hidden)
 
-        def compute(rows, chunk):
+        def compute(tokens, out, rows, chunk):
+            hidden_j, index_j, weights_j = tokens
+            mine = index_j is top_k_index  # else another rank's tokens, moved here (Ring.token_walk): no backward
+            routes_j = routes if mine else _Routes(index_j, experts.layout.rows)
+            gu_j, h_j, y_j = (
+                (gu_all, h_all, y_all)
+                if mine
+                else (t.new_empty(routes_j.rows, t.shape[1]) for t in (gu_all, h_all, y_all))
+            )
             gate_up_j, down_j, *biases = chunk
-            for e, start, end, token, slot in routes.held(rows):  # cast per expert: no cast copy of the chunk
+            for e, start, end, token, slot in routes_j.held(rows):  # cast per expert: no cast copy of the chunk
                 b_gu, b_d = (biases[0][e].to(dtype), biases[1][e].to(dtype)) if biases else (None, None)
-                x = hidden[token].to(dtype)
-                gu = _project(x, gate_up_j[e].to(dtype), b_gu, transposed, out=gu_all[start:end])
-                h_all[start:end] = experts.apply_gate(gu)
-                y = _project(h_all[start:end], down_j[e].to(dtype), b_d, transposed, out=y_all[start:end])
-                out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+                x = hidden_j[token].to(dtype)
+                gu = _project(x, gate_up_j[e].to(dtype), b_gu, transposed, out=gu_j[start:end])
+                h_j[start:end] = experts.apply_gate(gu)
+                y = _project(h_j[start:end], down_j[e].to(dtype), b_d, transposed, out=y_j[start:end])
+                out.index_add_(0, token, (y * weights_j[token, slot, None]).to(out.dtype))
 
         with torch.autocast(hidden.device.type, enabled=False):
-            experts.ring.forward_walk(list(weights), experts.layout, compute, dtype=dtype)
+            tokens, fill = [hidden, top_k_index, top_k_weights], [0.0, experts.layout.rows, 0.0]
+            # backward reads every expert's activations of this rank's tokens: only a forward without
+            # gradients may compute them elsewhere
+            rotate_forward(
+                experts.ring,
+                weights,
+                experts.layout,
+                tokens,
+                fill,
+                out,
+                compute,
+                dtype,
+                backward=any(ctx.needs_input_grad),
+            )
         ctx.save_for_backward(hidden, top_k_weights, gu_all, h_all, y_all, *weights)
         ctx.routes, ctx.experts = routes, experts
         return out

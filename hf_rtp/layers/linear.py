@@ -17,7 +17,7 @@ from torch import nn
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
-from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle, source_text
+from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle, rotate_forward, source_text
 
 
 class _RotatedLinearFn(torch.autograd.Function):
@@ -27,16 +27,27 @@ class _RotatedLinearFn(torch.autograd.Function):
         added = bias_after and bias is not None
         out = x.new_empty(*x.shape[:-1], layout.rows, dtype=torch.promote_types(x.dtype, bias.dtype) if added else None)
 
-        def compute(rows, chunk):
+        def compute(tokens, out, rows, chunk):
+            (x2,) = tokens
             start, end = rows
             if added:
-                out[..., start:end] = x @ chunk[0].to(x.dtype).T + chunk[1]
+                out[:, start:end] = x2 @ chunk[0].to(x2.dtype).T + chunk[1]
             else:
-                out[..., start:end] = F.linear(x, *(t.to(x.dtype) for t in chunk))
+                out[:, start:end] = F.linear(x2, *(t.to(x2.dtype) for t in chunk))
 
         with torch.autocast(x.device.type, enabled=False):
             # an added bias keeps its own dtype, so the bundle travels in the parameters' dtype
-            ring.forward_walk(own_bundle(weight, bias), layout, compute, dtype=None if added else x.dtype)
+            own = own_bundle(weight, bias)
+            rotate_forward(
+                ring,
+                own,
+                layout,
+                [x.reshape(-1, x.shape[-1])],
+                [0.0],
+                out.view(-1, layout.rows),
+                compute,
+                None if added else x.dtype,
+            )
         # Only the input is kept for backward; the weights are fetched again by the backward walk.
         ctx.save_for_backward(x, weight, bias)
         ctx.ring, ctx.layout = ring, layout

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
-from .common import local
+from .common import local, rotate_forward
 from .linear import RotatedLinear
 
 ABSMAX_BYTES = 4  # float32
@@ -83,15 +83,15 @@ class _Rotated4bitFn(torch.autograd.Function):
     def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear4bit):
         out = x.new_empty(*x.shape[:-1], layout.rows)
 
-        def compute(rows, chunk):
+        def compute(tokens, out, rows, chunk):
             start, end = rows
             packed, absmax = module.unpack(chunk[0])
-            out[..., start:end] = torch.ops.bitsandbytes.gemm_4bit.default(
-                x, packed, (end - start, module.in_features), absmax, module.spec.blocksize, module.spec.quant_type,
-                bias=None if bias is None else bias[start:end],
+            out[:, start:end] = torch.ops.bitsandbytes.gemm_4bit.default(
+                tokens[0], packed, (end - start, module.in_features), absmax, module.spec.blocksize,
+                module.spec.quant_type, bias=None if bias is None else bias[start:end],
             )  # fmt: skip
 
-        ring.forward_walk([piece], layout, compute)
+        rotate_forward(ring, [piece], layout, [x.reshape(-1, x.shape[-1])], [0.0], out.view(-1, layout.rows), compute)
         ctx.save_for_backward(piece)
         ctx.ring, ctx.layout, ctx.module = ring, layout, module
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -131,12 +131,12 @@ class _DequantizedFn(torch.autograd.Function):
     def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: FrozenQuantizedLinear):
         out = x.new_empty(*x.shape[:-1], layout.rows)
 
-        def compute(rows, chunk):
-            out[..., rows[0] : rows[1]] = torch.nn.functional.linear(
-                x, module.dequantized_piece(rows, chunk[0]).to(x.dtype)
+        def compute(tokens, out, rows, chunk):
+            out[:, rows[0] : rows[1]] = torch.nn.functional.linear(
+                tokens[0], module.dequantized_piece(rows, chunk[0]).to(x.dtype)
             )
 
-        ring.forward_walk([piece], layout, compute)
+        rotate_forward(ring, [piece], layout, [x.reshape(-1, x.shape[-1])], [0.0], out.view(-1, layout.rows), compute)
         ctx.save_for_backward(piece)
         ctx.ring, ctx.layout, ctx.module, ctx.bias_dtype = ring, layout, module, None
         return out

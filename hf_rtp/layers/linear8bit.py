@@ -21,7 +21,7 @@ import torch
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
-from .common import local
+from .common import local, rotate_forward
 from .linear4bit import FrozenQuantizedLinear, frozen_backward
 
 SCALE_BYTES = 4  # float32, one per row
@@ -56,32 +56,37 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
 class _Rotated8bitFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear8bit):
-        out = x.new_empty(*x.shape[:-1], layout.rows)
         in_features, threshold = module.in_features, module.threshold
         flat = x.reshape(-1, in_features)
+        out = x.new_empty(*x.shape[:-1], layout.rows)
         dequantizing = module.training and x.device.type in ("cpu", "xpu")
-        if not dequantizing:
-            codes_x, scales_x, outliers = torch.ops.bitsandbytes.int8_vectorwise_quant.default(
-                flat.to(torch.float16), threshold
-            )
+        quantized: dict = {}  # the last token set and its int8 codes: quantized once, as bitsandbytes does per call
 
-        def compute(rows, chunk):
+        def compute(tokens, out, rows, chunk):
             start, end = rows
+            (x_j,) = tokens
             codes, scales = unpack8(chunk[0], in_features)
             piece_bias = None if bias is None else bias[start:end]
             if dequantizing:
-                result = torch.nn.functional.linear(flat, _dequantized(codes, scales, x.dtype), piece_bias)
-            elif threshold > 0.0:
+                out[:, start:end] = torch.nn.functional.linear(x_j, _dequantized(codes, scales, x.dtype), piece_bias)
+                return
+            if quantized.get("tokens") is not x_j:
+                quantized["tokens"] = x_j
+                quantized["int8"] = torch.ops.bitsandbytes.int8_vectorwise_quant.default(
+                    x_j.to(torch.float16), threshold
+                )
+            codes_x, scales_x, outliers = quantized["int8"]
+            if threshold > 0.0:
                 result = torch.ops.bitsandbytes.int8_mixed_scaled_mm.default(
-                    flat, codes_x, codes, scales_x, scales, outliers, piece_bias
+                    x_j, codes_x, codes, scales_x, scales, outliers, piece_bias
                 )[0]
             else:
                 result = torch.ops.bitsandbytes.int8_scaled_mm.default(
                     codes_x, codes, scales_x, scales, bias=piece_bias, dtype=x.dtype
                 )
-            out[..., start:end] = result.view(*x.shape[:-1], end - start)
+            out[:, start:end] = result.view(x_j.shape[0], end - start)
 
-        ring.forward_walk([piece], layout, compute)
+        rotate_forward(ring, [piece], layout, [flat], [0.0], out.view(-1, layout.rows), compute)
         ctx.save_for_backward(piece)
         ctx.ring, ctx.layout, ctx.module = ring, layout, module
         ctx.dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype

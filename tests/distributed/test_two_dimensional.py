@@ -168,7 +168,9 @@ def test_rings_that_do_not_tile_the_ranks_or_differ_between_ranks_fail_on_every_
 def _count_bytes(ckpt):
     import hf_rtp
 
-    model = hf_rtp.from_pretrained(ckpt, rtp_size=2).train()
+    # the cost model counts training at scale, where every op moves its weights; this step's 9 tokens per rank
+    # would move the embedding's tokens instead, fewer bytes (rotation_moves="auto", test_generate_moves.py)
+    model = hf_rtp.from_pretrained(ckpt, rtp_size=2, rotation_moves="weights").train()
     ring = hf_rtp.state_of(model).topology.ring
     ring.sent_bytes = ring.replica_sum.reduced_bytes = 0
     batch = global_batch(4)[int(os.environ["RANK"])]

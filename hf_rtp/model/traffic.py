@@ -1,0 +1,68 @@
+"""What a forward's rotated ops move around the ring, agreed by every rank at the forward's start.
+
+A rotated op moves either its weight pieces or the tokens (their inputs and outputs), whichever is
+fewer bytes per hop (distributed.ring.Traffic). Every rank of the ring must walk the same way and know
+how many token rows the others send, so at each forward's meeting (the `forward` entry every rank makes
+already, rendezvous.enter) each rank brings the tokens of its forward, whether it records gradients, and
+its rotation_moves; the ring walks with the most tokens any rank brought (shorter token sets travel
+padded). A forward whose inputs this module cannot count (images beside the text, a call without
+input_ids or inputs_embeds) moves weights, on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed.ring import Ring, Traffic
+from ..errors import CollectiveMisuseError
+from ..settings import MOVES
+
+# A decoder backbone's inputs whose tokens are input_ids' (or inputs_embeds') b x s; any other tensor
+# (pixel_values, audio features) brings tokens of its own to some rotated op.
+_TEXT_INPUTS = frozenset(
+    {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position", "token_type_ids", "labels"}
+)
+_UNCOUNTED = -1
+
+
+def tokens_of(args: tuple, kwargs: dict) -> int:
+    """The tokens a backbone forward brings to its rotated ops, or _UNCOUNTED."""
+    given = dict(kwargs)
+    if args:
+        if len(args) > 1 or "input_ids" in given:
+            return _UNCOUNTED
+        given["input_ids"] = args[0]
+    if any(isinstance(v, torch.Tensor) and k not in _TEXT_INPUTS for k, v in given.items()):
+        return _UNCOUNTED
+    ids, embeds = given.get("input_ids"), given.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and embeds is None:
+        return ids.numel()
+    if isinstance(embeds, torch.Tensor) and ids is None:
+        return embeds[..., 0].numel()
+    return _UNCOUNTED
+
+
+def payload(ring: Ring, args: tuple, kwargs: dict) -> list[int]:
+    """What this rank brings to the forward's meeting."""
+    return [tokens_of(args, kwargs), int(torch.is_grad_enabled()), MOVES.index(ring.moves)]
+
+
+def agree(ring: Ring, everyone: list[list[int]]) -> None:
+    """Set the ring's traffic for this forward from every rank's payload (the same on every rank)."""
+    moves = {MOVES[code] for _, _, code in everyone}
+    if len(moves) > 1:
+        raise CollectiveMisuseError(
+            "ranks passed different rotation_moves to from_pretrained: "
+            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (_, _, code) in enumerate(everyone))
+            + ". Every rank must walk the ring the same way: pass one value on every rank."
+        )
+    counts = [tokens for tokens, _, _ in everyone]
+    if _UNCOUNTED in counts or ring.moves == "weights":
+        ring.traffic = None
+        return
+    ring.traffic = Traffic(bound=max(counts), moves=ring.moves, grad=any(grad for _, grad, _ in everyone))
+
+
+def clear(ring: Ring) -> None:
+    """After a forward or generate: ops called outside one move weights."""
+    ring.traffic = None
