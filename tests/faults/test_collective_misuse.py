@@ -260,3 +260,57 @@ def _main_process_waits_alone(flag):
 def test_hf_rtp_accelerator_gives_accelerates_world_group_hf_rtps_timeout(tmp_path):
     seconds, _ = run_on_ranks(_main_process_waits_alone, 2, str(tmp_path / "flag"), env={"HF_RTP_TIMEOUT": "4"})
     assert seconds is not None and 3 <= seconds < 30, seconds  # accelerate's default would be 30 minutes
+
+
+def _generate_differently(ckpt, settings):
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    batch = global_batch(2, seq=4 + rank)[rank]  # each rank its own prompts: that is not a difference
+    start = time.monotonic()
+    with pytest.raises(hf_rtp.CollectiveMisuseError) as caught:
+        model.generate(batch, pad_token_id=0, **settings[rank])
+    return time.monotonic() - start, str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (
+            [dict(max_new_tokens=3), dict(max_new_tokens=5)],
+            ["max_new_tokens (rank 0: 3, rank 1: 5)"],
+        ),
+        (
+            [dict(max_new_tokens=3, do_sample=True, temperature=0.7), dict(max_new_tokens=3, do_sample=False)],
+            ["do_sample (rank 0: True, rank 1: False)", "temperature (rank 0: 0.7, rank 1: None)"],
+        ),
+    ],
+)
+def test_ranks_that_generate_with_different_settings_fail_at_once_naming_them(tmp_path, settings, named):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for seconds, message in run_on_ranks(_generate_differently, 2, ckpt, settings, env=ENTRY, attempts=1):
+        assert seconds < 4, seconds  # compared as the ranks enter, before any forward
+        assert "ranks called generate with different settings" in message, message
+        assert all(n in message for n in named), message
+
+
+def _stopped_mid_generation(ckpt):
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    batch = global_batch(2)[rank]
+    start = time.monotonic()
+    with pytest.raises(hf_rtp.CollectiveMisuseError) as caught:
+        model.generate(batch, max_new_tokens=6, pad_token_id=0)  # rank 1 stops at its third forward (HF_RTP_FAULT)
+    return time.monotonic() - start, str(caught.value)
+
+
+@pytest.mark.parametrize("action, named", [("stop", "rank 1 is stopped or gone"), ("kill", "rank 1's process exited")])
+def test_a_rank_that_stops_mid_generation_ends_the_others_naming_it(tmp_path, action, named):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    env = {**ENTRY, "HF_RTP_FAULT": f"{action}@forward#1:3"}
+    ((seconds, message),) = run_on_ranks(_stopped_mid_generation, 2, ckpt, env=env, survivors=(0,), attempts=1)
+    assert seconds < 30, seconds
+    assert named in message, message
