@@ -1,16 +1,17 @@
-"""TRL: its fused LM head (SFTTrainer's `fused_lm_head=True` forward) through hf_rtp's rotated loss.
+"""TRL: its fused LM head (the `fused_lm_head=True` forward of SFT, DPO and GRPO) through hf_rtp's rotated loss.
 
 TRL's `add_fused_lm_head` gathers the whole LM head on every rank (`lm_head.weight.full_tensor()`)
-and computes per-token log-probs, entropy and top-1 from it. On a rotated model that is correct
-(hf_rtp gives the gather's gradient the data-parallel mean) but holds the full head and its gradient
-on every rank. For a rotated model, `add_fused_lm_head` below installs a forward that returns the same
-`FusedCausalLMOutput`, computed as the head's pieces pass in the ring (hf_rtp.layers.fused_loss).
+and computes per-token log-probs, entropy, log sum p^2, the mean logit and top-1 from it, at a
+temperature, optionally with the head in float32. On a rotated model that is correct (hf_rtp gives the
+gather's gradient the data-parallel mean) but holds the full head and its gradient on every rank. For a
+rotated model, `add_fused_lm_head` below installs a forward that returns the same `FusedCausalLMOutput`,
+with every option of TRL 1.16, computed as the head's pieces pass in the ring (hf_rtp.layers.fused_loss).
 
-SFTTrainer calls `add_fused_lm_head` after Trainer.__init__ has moved the model, which is where hf_rtp
+TRL's trainers call `add_fused_lm_head` after Trainer.__init__ has moved the model, which is where hf_rtp
 adopts the trainer (integrations.trainer). Adoption points the name `add_fused_lm_head` in the
 trainer's TRL modules at the function below, which stands in for `trl.trainer.utils.add_fused_lm_head`
-(TRL 1.16, with the signature checked) and hands every model that is not rotated, and every
-option it does not reproduce, to TRL's own. Outside those versions nothing is replaced, with a warning.
+(TRL 1.16, with the signature checked) and hands every model that is not rotated, and every head
+or output it cannot compute (`_why_not`), to TRL's own. Outside those versions nothing is replaced, with a warning.
 
 Likewise `create_model_from_path`, with which DPOTrainer and GRPOTrainer build their reference model
 from the policy's path after Trainer.__init__: called by an adopted trainer whose policy is rotated,
@@ -30,6 +31,7 @@ import functools
 import inspect
 import sys
 import types
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,13 +40,15 @@ from torch import nn
 
 from .. import log
 from ..errors import IntegrationError, SettingError
+from ..layers import RotatedLinear
 from ..layers.common import local
+from ..layers.fused_loss import EXTRAS
 from ..model import context
-from ..model.fused_head import read_head, token_losses
+from ..model.fused_head import read_head, token_stats
 from ..model.state import is_rotated, state_of
 from ..private.transformers_names import attention_implementation
 
-SUPPORTED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks for
+SUPPORTED_OUTPUTS = ("log_probs", *EXTRAS)  # every output TRL 1.16's kernel computes
 _ORIGINAL = "_hf_rtp_original"
 TESTED = ((1, 16), (1, 17))  # TRL versions whose add_fused_lm_head this stands in for: from, up to (excluded)
 _PARAMETERS = {  # the TRL 1.16 signatures of what hf_rtp stands in for
@@ -280,11 +284,9 @@ def _unsupported(name: str = "add_fused_lm_head") -> str | None:
     return None
 
 
-def _why_not(model, temperature, cast_lm_head_to_fp32, outputs) -> str | None:
+def _why_not(model, outputs) -> str | None:
     if not set(outputs) <= set(SUPPORTED_OUTPUTS):
         return f"it asks for {sorted(set(outputs) - set(SUPPORTED_OUTPUTS))}, which hf_rtp does not compute"
-    if temperature != 1.0 or cast_lm_head_to_fp32:
-        return "it asks for a temperature or an fp32 head, which hf_rtp's loss does not apply"
     return read_head(model)[1]
 
 
@@ -299,22 +301,43 @@ def add_fused_lm_head(
     """TRL's `add_fused_lm_head`, with the rotated loss for rotated models (see the module docstring)."""
     if not is_rotated(model):
         return original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
-    reason = _why_not(model, temperature, cast_lm_head_to_fp32, outputs)
+    if cast_lm_head_to_fp32:
+        _rotate_cast_head(model)
+    reason = _why_not(model, outputs)
     if reason is not None:
         log.warning(f"TRL's fused LM head gathers the whole head on every rank here, because {reason}")
         return original(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
-    install(model, outputs)
+    install(model, outputs, temperature, cast_lm_head_to_fp32)
 
 
-def install(model, outputs: tuple[str, ...]) -> None:
-    """Give `model`, whose head `read_head` accepts, TRL's `fused_lm_head=True` forward on the ring."""
+def _rotate_cast_head(model) -> None:
+    """GRPOTrainer(cast_lm_head_to_fp32=True) casts the head to float32 and, just before calling add_fused_lm_head,
+    sets its forward to `F.linear(hidden.float(), weight.float(), bias)`: on the rotated weight that would make
+    generate's logits a DTensor (the next token's ids with them). The same map on the ring: the rotated head's own
+    forward on float32 hidden states, autocast as the caller has it, as F.linear's."""
+    head = model.get_output_embeddings()
+    replaced = head.__dict__.get("forward")
+    if not isinstance(head, RotatedLinear) or replaced is None or getattr(replaced, "hf_rtp_cast", False):
+        return
+
+    def forward(hidden_states):
+        return RotatedLinear.forward(head, hidden_states.to(torch.float32))
+
+    forward.hf_rtp_cast = True  # type: ignore[attr-defined]
+    head.forward = forward  # type: ignore[method-assign]  # an instance attribute, as TRL set it
+
+
+def install(model, outputs: tuple[str, ...], temperature: float = 1.0, cast_lm_head_to_fp32: bool = False) -> None:
+    """Give `model`, whose head `read_head` accepts, TRL's `fused_lm_head=True` forward on the ring, with
+    TRL's options: its kernel's transforms (`HeadTransform`'s in_float32 and temperature) and, with
+    `cast_lm_head_to_fp32`, float32 hidden states and the projection outside autocast, as TRL's forward."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     transforms, reason = read_head(model)
     if reason is not None:
         raise ValueError(f"hf_rtp cannot compute {type(model).__name__}'s fused LM head: {reason}")
     text_config = model.config.get_text_config()
-    stats = "entropy" in outputs or "is_top1" in outputs
+    vocab, extras = text_config.vocab_size, tuple(name for name in EXTRAS if name in outputs)
     plain_forward = model.forward
 
     @functools.wraps(type(model).forward)  # generate validates its kwargs against the signature
@@ -337,17 +360,8 @@ def install(model, outputs: tuple[str, ...]) -> None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
             labels = shift_labels
-        labels = labels.to(hidden.device)
-        mask = labels != -100
-        results = token_losses(self, hidden[mask], labels[mask], text_config.vocab_size, transforms, stats=stats)
-        nll, entropy, top1 = results if stats else (results, None, None)
-
-        def spread(
-            x,
-        ):  # back to [batch, seq], zero where ignored; masked_scatter keeps an all-ignored batch in the graph
-            return None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
-
-        log_probs = spread(-nll)
+        mask, found = per_token(self, hidden, labels.to(hidden.device))
+        log_probs = found.pop("log_probs")
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss: Any = None  # transformers' load_balancing_loss_func: a tensor, or 0 without router logits
         if kwargs.get("output_router_logits"):
@@ -360,13 +374,20 @@ def install(model, outputs: tuple[str, ...]) -> None:
                 kwargs.get("attention_mask"),
             )
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
-        return FusedCausalLMOutput(
-            loss=loss,
-            log_probs=log_probs,
-            entropy=spread(entropy) if "entropy" in outputs else None,
-            is_top1=spread(top1) if "is_top1" in outputs else None,
-            label_mask=mask,
-            aux_loss=aux_loss,
-        )
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, **found, label_mask=mask, aux_loss=aux_loss)
+
+    def per_token(self, hidden, labels):
+        """TRL's kernel on the ring: each output back to [batch, seq], zero where the label is ignored."""
+        mask = labels != -100
+        autocast: Any = nullcontext()
+        if cast_lm_head_to_fp32:  # as TRL's forward: float32 hidden states, the projection outside autocast
+            hidden, autocast = hidden.float(), torch.autocast(hidden.device.type, enabled=False)
+        with autocast:
+            found = token_stats(
+                self, hidden[mask], labels[mask], vocab, transforms, extras, temperature=temperature, in_float32=True
+            )
+        found["log_probs"] = -found.pop("nll")
+        # masked_scatter keeps an all-ignored batch in the graph
+        return mask, {name: x.new_zeros(mask.shape).masked_scatter(mask, x) for name, x in found.items()}
 
     model.forward = types.MethodType(forward, model)

@@ -9,7 +9,9 @@ rank's loss is its own batch's, and the head's gradient arrives home summed over
 rotated weight.
 
 The math is transformers' ForCausalLMLoss: logits in the head's compute dtype, the family's own
-transform (`HeadTransform`) in that dtype too, then float32 for the softmax.
+transform (`HeadTransform`) in that dtype too, then float32 for the softmax. For TRL's fused head it is
+TRL's kernel instead: the family's transform on the float32 logits, then TRL's temperature; and, as
+that kernel offers, per-token statistics of the whole distribution folded piece by piece (`EXTRAS`).
 """
 
 from __future__ import annotations
@@ -41,13 +43,20 @@ def block_bytes(device: torch.device) -> int:
 @dataclass(frozen=True)
 class HeadTransform:
     """What a family does to the head's output before the loss: `logits * multiply`, `logits / divide`,
-    then `cap * tanh(logits / cap)` (Cohere, Granite, Gemma 2/3), each in the logits' dtype as vanilla does."""
+    then `cap * tanh(logits / cap)` (Cohere, Granite, Gemma 2/3), each in the logits' dtype as vanilla does,
+    or on the float32 logits with `in_float32` (TRL's kernel); then TRL's `* (1 / temperature)`, in float32."""
 
     multiply: float | None = None
     divide: float | None = None
     softcap: float | None = None
+    temperature: float = 1.0
+    in_float32: bool = False
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = self._family(z.float()) if self.in_float32 else self._family(z).float()
+        return z if self.temperature == 1.0 else z * (1 / self.temperature)
+
+    def _family(self, z: torch.Tensor) -> torch.Tensor:
         if self.multiply is not None:
             z = z * self.multiply
         if self.divide is not None:
@@ -58,6 +67,9 @@ class HeadTransform:
 
     def backward(self, grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """d loss / d raw logits, from d loss / d transformed logits `grad` and the transformed `z` (in place)."""
+        if self.temperature != 1.0:
+            grad.mul_(1 / self.temperature)
+            z = z * self.temperature  # the capped logits, whose cap's derivative comes next
         if self.softcap is not None:
             grad.mul_(1 - (z / self.softcap).square_())
         if self.divide is not None:
@@ -68,7 +80,7 @@ class HeadTransform:
 
 
 def _logits(h: torch.Tensor, piece, transform: HeadTransform) -> torch.Tensor:
-    return transform.forward(F.linear(h, *(t.to(h.dtype) for t in piece))).float()
+    return transform.forward(F.linear(h, *(t.to(h.dtype) for t in piece)))
 
 
 def _tiles(tokens: int, rows: int, elements: int) -> list[tuple[int, int, int, int]]:
@@ -101,58 +113,89 @@ def _piece_blocks(h: torch.Tensor, targets: torch.Tensor, rows, piece, transform
         yield r0, r1, b0, b1, z, inside, column
 
 
+EXTRAS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""TRL's optional per-token outputs, in the order its kernel returns them"""
+_UNDER_MAX = frozenset(("entropy", "log_sum_sq_probs", "is_top1"))
+
+
+class _Running:
+    """Per-token sums over the vocabulary, folded as its pieces arrive (in ring order, not vocabulary order):
+    of z (`mean_logits`), and of exp(z - best), exp(z - best) * z and exp(2 (z - best)) under the running max
+    `best`, rescaled as it grows (TRL's kernel does the same): exact rescale factors, unlike a running lse's."""
+
+    def __init__(self, tokens: int, device, extras: frozenset[str]):
+        self.extras = extras
+        zeros = [torch.zeros(tokens, dtype=torch.float32, device=device) for _ in range(4)]
+        self.sum_z, self.sum_e, self.sum_ez, self.sum_ee = zeros
+        self.best = torch.full((tokens,), -math.inf, dtype=torch.float32, device=device)
+        self.best_at = torch.zeros(tokens, dtype=torch.long, device=device)
+
+    def fold(self, b0: int, b1: int, z: torch.Tensor, first_row: int) -> None:
+        """Fold tokens [b0, b1)'s logits `z` of the vocabulary rows from `first_row` on."""
+        if "mean_logits" in self.extras:
+            self.sum_z[b0:b1] += z.sum(1)
+        if not self.extras & _UNDER_MAX:
+            return
+        value, at = z.max(dim=1)  # the first maximal column, as argmax
+        at += first_row
+        old = self.best[b0:b1]
+        take = (value > old) | ((value == old) & (at < self.best_at[b0:b1]))  # a tie goes to the lower index
+        new = torch.maximum(old, value)
+        e = (z - new[:, None]).exp_()
+        rescale = torch.exp(old - new)
+        self.sum_e[b0:b1] = self.sum_e[b0:b1] * rescale + e.sum(1)
+        if "log_sum_sq_probs" in self.extras:
+            self.sum_ee[b0:b1] = self.sum_ee[b0:b1] * rescale.square() + e.square().sum(1)
+        if "entropy" in self.extras:
+            self.sum_ez[b0:b1] = self.sum_ez[b0:b1] * rescale + e.mul_(z).sum(1)
+        self.best_at[b0:b1] = torch.where(take, at, self.best_at[b0:b1])
+        self.best[b0:b1] = new
+
+    def results(self, targets: torch.Tensor, vocab: int) -> list[torch.Tensor | None]:
+        """EXTRAS as TRL's kernel computes them, None where not asked for."""
+        log_sum_e = self.sum_e.log()
+        found = {
+            "entropy": lambda: self.best + log_sum_e - self.sum_ez / self.sum_e,
+            "log_sum_sq_probs": lambda: self.sum_ee.log() - 2 * log_sum_e,
+            "mean_logits": lambda: self.sum_z / vocab,
+            "is_top1": lambda: self.best_at == targets,
+        }
+        return [found[name]() if name in self.extras else None for name in EXTRAS]
+
+
 class _FusedCrossEntropyFn(torch.autograd.Function):
-    """Per-token -log p(target); with `stats`, also each token's entropy (with its gradient, as TRL's
-    kernel has one) and whether the target is the first argmax (TRL's `is_top1`)."""
+    """Per-token -log p(target), then TRL's EXTRAS, each None unless in `extras`: the entropy (with its
+    gradient, as TRL's kernel has one), log sum p^2 and the mean logit (without, as in TRL's), and whether
+    the target is the first argmax (TRL's `is_top1`)."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform, stats: bool):
+    def forward(
+        ctx, h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform, extras: frozenset
+    ):
         ctx.set_materialize_grads(False)  # an entropy logged but not trained on costs no backward term
         tokens, device = h.shape[0], h.device
         lse = torch.full((tokens,), -math.inf, dtype=torch.float32, device=device)
         picked = torch.zeros(tokens, dtype=torch.float32, device=device)
-        if stats:
-            # sums of exp(z - best) and exp(z - best) * z under the running max `best`, rescaled as it
-            # grows (TRL's kernel does the same): exact rescale factors, unlike a running lse's
-            sum_e = torch.zeros(tokens, dtype=torch.float32, device=device)
-            sum_ez = torch.zeros(tokens, dtype=torch.float32, device=device)
-            best = torch.full((tokens,), -math.inf, dtype=torch.float32, device=device)
-            best_at = torch.zeros(tokens, dtype=torch.long, device=device)
+        running = _Running(tokens, device, extras) if extras else None
 
         def compute(rows, piece):
             for r0, _, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
-                before = lse[b0:b1]
-                after = torch.logaddexp(before, torch.logsumexp(z, dim=1))
-                if stats:
-                    value, at = z.max(dim=1)  # the first maximal column, as argmax
-                    at += rows[0] + r0
-                    old = best[b0:b1]
-                    # pieces arrive in ring order, not vocabulary order: a tie goes to the lower index
-                    take = (value > old) | ((value == old) & (at < best_at[b0:b1]))
-                    new = torch.maximum(old, value)
-                    e = (z - new[:, None]).exp_()
-                    rescale = torch.exp(old - new)
-                    sum_e[b0:b1] = sum_e[b0:b1] * rescale + e.sum(1)
-                    sum_ez[b0:b1] = sum_ez[b0:b1] * rescale + e.mul_(z).sum(1)
-                    best_at[b0:b1] = torch.where(take, at, best_at[b0:b1])
-                    best[b0:b1] = new
-                lse[b0:b1] = after
+                lse[b0:b1] = torch.logaddexp(lse[b0:b1], torch.logsumexp(z, dim=1))
                 picked[b0:b1] = torch.where(inside, z.gather(1, column).squeeze(1), picked[b0:b1])
+                if running is not None:
+                    running.fold(b0, b1, z, rows[0] + r0)
 
         bundle = [weight] if bias is None else [weight, bias]
         with torch.autocast(device.type, enabled=False):
             ring.forward_walk(bundle, layout, compute, dtype=h.dtype)
-        entropy = best + sum_e.log() - sum_ez / sum_e if stats else None
-        top1 = best_at == targets if stats else None
+        entropy, log_sum_sq, mean, top1 = [None] * 4 if running is None else running.results(targets, layout.rows)
         ctx.save_for_backward(h, weight, bias, targets, lse, entropy)
         ctx.ring, ctx.layout, ctx.transform = ring, layout, transform
-        if not stats:
-            return lse - picked
-        ctx.mark_non_differentiable(top1)
-        return lse - picked, entropy, top1
+        ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean, top1) if x is not None))
+        return lse - picked, entropy, log_sum_sq, mean, top1
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_entropy=None, _grad_top1=None):
+    def backward(ctx, grad_loss, grad_entropy, *_):
         h, weight, bias, targets, lse, entropy = ctx.saved_tensors
         ring, layout, transform = ctx.ring, ctx.layout, ctx.transform
         # every rank walks the ring whatever its gradients are: its neighbours walk too
@@ -200,9 +243,12 @@ def fused_cross_entropy(
     h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform
 ) -> torch.Tensor:
     """Per-token -log p(target) (float32) of hidden states `h` [tokens, hidden] through a rotated head."""
-    return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, False)
+    return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, frozenset())[0]
 
 
-def fused_token_stats(h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform):
-    """(-log p(target), entropy, target is the first argmax) per token, all float32 but the last (bool)."""
-    return _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, True)
+def fused_token_stats(
+    h, weight, bias, targets, ring: Ring, layout: ChunkLayout, transform: HeadTransform, *, extras=EXTRAS
+) -> dict[str, torch.Tensor]:
+    """-log p(target) per token ("nll") and the `extras` (names in EXTRAS), all float32 but is_top1 (bool)."""
+    nll, *found = _FusedCrossEntropyFn.apply(h, weight, bias, targets, ring, layout, transform, frozenset(extras))
+    return {"nll": nll, **{name: x for name, x in zip(EXTRAS, found, strict=True) if x is not None}}

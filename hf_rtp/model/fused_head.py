@@ -144,16 +144,26 @@ class _Capture:
         return cast_for_matmul(hidden).new_empty(*hidden.shape[:-1], 0)
 
 
-def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-100, stats=False):
+def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-100):
     """Per-token -log p(target) of `hidden` [tokens, hidden] through `model`'s rotated head and its
-    `transforms` (from `read_head`); with `stats`, also (entropy, is_top1) as `fused_token_stats`."""
+    `transforms` (from `read_head`)."""
+    return fused_cross_entropy(*_head_inputs(model, hidden, targets, vocab_size, transforms, ignore_index))
+
+
+def token_stats(model, hidden, targets, vocab_size, transforms, extras, ignore_index=-100, **options):
+    """As `token_losses`, with TRL's `extras` beside it (`fused_token_stats`); `options` go to HeadTransform."""
+    inputs = _head_inputs(model, hidden, targets, vocab_size, transforms, ignore_index, **options)
+    return fused_token_stats(*inputs, extras=extras)
+
+
+def _head_inputs(model, hidden, targets, vocab_size, transforms, ignore_index, **options):
     head = model.get_output_embeddings()
-    transform = HeadTransform(**{field: operator.attrgetter(path)(model) for field, path in transforms})
+    found = {field: operator.attrgetter(path)(model) for field, path in transforms}
+    transform = HeadTransform(**found, **options)
     assert_async(
         ((targets >= 0) & (targets < vocab_size)).all(), f"labels must be {ignore_index} or lie in [0, {vocab_size})"
     )
-    fn = fused_token_stats if stats else fused_cross_entropy
-    return fn(cast_for_matmul(hidden), local(head.weight), local(head.bias), targets, head.ring, head.layout, transform)
+    return cast_for_matmul(hidden), local(head.weight), local(head.bias), targets, head.ring, head.layout, transform
 
 
 def install_forward(model: PreTrainedModel, fused: bool) -> bool:

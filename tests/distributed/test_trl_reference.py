@@ -5,7 +5,8 @@ Before, TRL loaded it with vanilla from_pretrained: numbers equal, but a whole c
 silently. Now hf_rtp loads it rotated like the policy. Full fine-tunes against vanilla under DDP in the
 same processes, float64: DPO's losses, reward margins and every gradient, with the reference's bytes per
 rank against the whole model's; GRPO's losses, KL and rewards, with a whole reward model beside the
-policy warned about.
+policy warned about. What DPO (with WPO's weighting) and GRPO (with a sampling temperature) ask of TRL's fused
+LM head runs on the ring for the rotated policy (tests/distributed/test_trl_fused_options.py for the numbers).
 """
 
 import os
@@ -43,18 +44,20 @@ def _dpo(model, out):
         save_strategy="no",
         bf16=False,
         dataset_num_proc=None,
+        use_weighting=True,  # WPO: the fused head's log_sum_sq_probs, beside the mean_logits DPO always asks for
     )
     trainer = DPOTrainer(
         model=model, args=config, train_dataset=_pairs(), processing_class=tiny_tokenizer(), callbacks=[grads]
     )
     reference = trainer.ref_model
+    head = trainer.model.forward.__func__.__code__.co_filename  # whose fused_lm_head=True forward DPO installed
     local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in reference.parameters())
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
     trainer.train()
     logged = [(e["loss"], e["rewards/margins"]) for e in trainer.state.log_history if "loss" in e]
     import hf_rtp
 
-    return logged, grads.grads, hf_rtp.is_rotated(reference), local, whole
+    return logged, grads.grads, hf_rtp.is_rotated(reference), local, whole, head
 
 
 def _both(ckpt, out):
@@ -71,10 +74,11 @@ def _both(ckpt, out):
 
 def test_dpo_reference_built_by_trl_is_rotated_and_training_matches_vanilla_ddp(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    for (vanilla_logged, vanilla_grads, vanilla_rotated, _, whole), (logged, grads, rotated, local, _) in run_on_ranks(
-        _both, 2, ckpt, str(tmp_path)
-    ):
+    for vanilla, (logged, grads, rotated, local, _, head) in run_on_ranks(_both, 2, ckpt, str(tmp_path)):
+        vanilla_logged, vanilla_grads, vanilla_rotated, _, whole, vanilla_head = vanilla
         assert rotated and not vanilla_rotated
+        assert vanilla_head.endswith(os.path.join("trl", "trainer", "utils.py"))
+        assert head.endswith(os.path.join("hf_rtp", "integrations", "trl.py"))  # not TRL's, which gathers the head
         # embedding and head (101 x 32 each) and every projection split in two; norms whole
         assert local < 0.55 * whole, (local, whole)
         assert grads.keys() == vanilla_grads.keys() and "lm_head.weight" in grads
@@ -117,6 +121,9 @@ def _grpo(model, reward_model, out):
         save_strategy="no",
         bf16=False,
         beta=0.1,
+        temperature=0.7,  # sampling, and the fused head's log-probs, at TRL's temperature
+        # the head in float32: TRL swaps its forward for F.linear on the weight, which hf_rtp puts back on the ring
+        cast_lm_head_to_fp32=True,
     )  # beta > 0: TRL builds a reference
     warnings = []
     handler = logging.Handler()
@@ -134,9 +141,10 @@ def _grpo(model, reward_model, out):
     finally:
         logging.getLogger("hf_rtp").removeHandler(handler)
     rotated = hf_rtp.is_rotated(trainer.ref_model)
+    heads = [m.forward.__func__.__code__.co_filename for m in (trainer.model, trainer.ref_model)]
     trainer.train()
     whole = [w for w in warnings if "reward model LlamaForSequenceClassification is whole on every rank" in w]
-    return rotated, [(e["loss"], e["kl"], e["reward"]) for e in trainer.state.log_history if "loss" in e], whole
+    return rotated, [(e["loss"], e["kl"], e["reward"]) for e in trainer.state.log_history if "loss" in e], whole, heads
 
 
 def _grpo_both(ckpt, out):
@@ -154,10 +162,12 @@ def _grpo_both(ckpt, out):
 
 def test_grpo_with_a_kl_term_gets_a_rotated_reference_and_matches_vanilla_ddp(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    for rank, ((vanilla_rotated, vanilla_logged, vanilla_warned), (rotated, logged, warned)) in enumerate(
+    for rank, ((vanilla_rotated, vanilla_logged, vanilla_warned, _), (rotated, logged, warned, heads)) in enumerate(
         run_on_ranks(_grpo_both, 2, ckpt, str(tmp_path))
     ):
         assert rotated and not vanilla_rotated
+        # the policy's and the reference's fused heads at temperature 0.7 are hf_rtp's, not TRL's gathered one
+        assert all(h.endswith(os.path.join("hf_rtp", "integrations", "trl.py")) for h in heads), heads
         assert not vanilla_warned and len(warned) == (rank == 0), warned  # hf_rtp logs on rank 0
         if rank == 0:
             assert (
