@@ -47,6 +47,8 @@ _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
 _TOKEN_TAG = 192
+_OUTPUT_TAG = 224
+_BYTES = torch.empty(0, dtype=torch.uint8)
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
 Rows = tuple[int, int]
 
@@ -70,15 +72,19 @@ class BufferPool:
         self._planned: dict[torch.device, int] = {}
         self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
 
-    def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
+    def take(
+        self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor, planned: bool = True
+    ) -> list[torch.Tensor]:
+        """Views of `shapes` in `like`'s dtype, carved from the slot; `planned=False` (the tokens' slots, which
+        are sized by the tokens, not by the weights' pieces) grows the slot only to what is asked."""
         size = like.element_size()
         need = sum(math.prod(s) for s in shapes) * size
         key = (role, slot, like.device)
         flat = self._flat.get(key)
         if flat is None or flat.numel() < need:
             flat = None  # free the smaller buffer before allocating the larger one
-            planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
-            flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
+            least = self._planned.get(like.device, 0) * _matmul_itemsize(like) if planned else 0
+            flat = torch.empty(max(need, least), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
         views, offset = [], 0
@@ -108,15 +114,25 @@ class Traffic:
     rank records gradients (`grad`)."""
 
     bound: int
+    sequences: int
+    """the most sequences any rank brings: where an LM head's walk starts (generate keeps the last logits)"""
     moves: str
     grad: bool
 
-    def moves_tokens(self, bound: int, weight_bytes: int, row_bytes: int) -> bool:
+    def moves_tokens(self, bound: int, weight_bytes: int, row_bytes: int, piece_bytes: int) -> bool:
         """Whether an op whose weight chunk is `weight_bytes` and whose `bound` tokens carry `row_bytes` each
-        (their inputs and outputs) moves the tokens: the same answer on every rank, from agreed numbers only."""
+        (their inputs and outputs) moves the tokens: the same answer on every rank, from agreed numbers only.
+        Never more than a weight piece's bytes (`piece_bytes`) per hop: the tokens' buffers stay that small."""
         if self.moves == "weights":
             return False
-        return self.moves == "activations" or bound * row_bytes < weight_bytes
+        return self.moves == "activations" or (bound * row_bytes < weight_bytes and bound * row_bytes <= piece_bytes)
+
+
+def identities(tokens: Bundle) -> tuple:
+    """What makes two token sets the same tokens: the same memory, seen the same way, unchanged since (each op
+    reshapes its input afresh, so the tensor objects differ; an in-place change bumps `_version`). The ring holds
+    the tokens it compares with, so their memory is not freed and reused by other tokens meanwhile."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t._version) for t in tokens)
 
 
 class Ring:
@@ -152,12 +168,23 @@ class Ring:
         self.pool = BufferPool()
         self.moves = "auto"
         """from_pretrained's rotation_moves: what a forward's ops move ("auto": the fewer bytes)"""
-        self.traffic: Traffic | None = None
-        """set at each forward's start by model/traffic.py (None outside a forward: ops move weights)"""
+        self._traffic: Traffic | None = None
+        # the last tokens moved, and the other ranks' that arrived with them: an op on the same tokens (k_proj and
+        # v_proj after q_proj, up_proj after gate_proj) moves only its outputs
+        self._moved: tuple[Bundle, int, list[Bundle]] | None = None
         self.token_walks = 0  # how many ops moved tokens instead of weights: tests and the bench read it
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
         # what hf_rtp/tools/cost.py models
         self.sent_bytes = 0
+
+    @property
+    def traffic(self) -> Traffic | None:
+        """Set at each forward's start by model/traffic.py (None outside a forward: ops move weights)."""
+        return self._traffic
+
+    @traffic.setter
+    def traffic(self, value: Traffic | None) -> None:
+        self._traffic, self._moved = value, None
 
     def __deepcopy__(self, memo):
         # process groups and buffers, not data: a copied rotated layer (PEFT's modules_to_save) walks this ring
@@ -333,6 +360,18 @@ class Ring:
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
 
+    def _packed(self, role: str, slot: int, specs, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One message: a uint8 view of a slot of the pool, and views of `specs` (shape, dtype) carved one after
+        another from it, each at an offset aligned to 8 bytes."""
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        total = sum(n + (-n) % 8 for n in sizes)
+        (flat,) = self.pool.take(f"tokens-{role}", slot, [torch.Size((total,))], _BYTES.to(device), planned=False)
+        views, offset = [], 0
+        for (shape, dtype), n in zip(specs, sizes, strict=True):
+            views.append(flat[offset : offset + n].view(dtype).view(shape))
+            offset += n + (-n) % 8
+        return flat, views
+
     def token_walk(
         self,
         own: Bundle,
@@ -365,37 +404,67 @@ class Ring:
             compute(tokens, out, rows, held)
             return None
         self.token_walks += 1
+        moved = self._moved
+        if moved is not None and moved[1] == bound and identities(moved[0]) == identities(tokens):
+            self._walk_outputs(moved[2], out, compute, rows, held, tokens, count, bound)
+            return None
         fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
-        travelling = [
-            torch.cat([t[:fits], t.new_full((bound - fits, *t.shape[1:]), f)]) if fits < bound else t[:bound]
-            for t, f in zip(tokens, fill, strict=True)
-        ]
         most = torch.tensor([count], dtype=torch.int64, device=out.device)
-
-        def empty_like_tokens():
-            return [t.new_empty(t.shape) for t in travelling] + [most.new_empty(1)]
-
-        arriving = empty_like_tokens()
-        pending = self._exchange([*travelling, most], arriving, _TOKEN_TAG)
+        # One message per hop (gloo pays per message), in buffers of the pool: gloo pays several times more to send
+        # from or receive into memory it has not seen. The tokens padded to `bound`, the largest count, then (after
+        # the first hop) the accumulator; each hop's arrivals in a slot of their own, which the next op may reuse.
+        specs = [((bound, *t.shape[1:]), t.dtype) for t in tokens] + [(most.shape, most.dtype)]
+        message, first = self._packed("send", 0, specs, out.device)
+        for view, t, f in zip(first[:-1], tokens, fill, strict=True):
+            view[:fits] = t[:fits]
+            view[fits:] = f
+        first[-1].copy_(most)
+        landed, arriving = self._packed("arrive", 0, specs, out.device)
+        pending = self._exchange([message], [landed], _TOKEN_TAG)
         if count <= bound:
             compute(tokens, out, rows, held)  # this rank's share of its own tokens stays home
         pending.wait()
-        acc = out.new_zeros(bound, *out.shape[1:])
+        *others, seen = arriving
+        specs.append(((bound, *out.shape[1:]), out.dtype))
+        (acc,) = self.pool.take("outputs", 0, [torch.Size(specs[-1][0])], out, planned=False)
+        acc.zero_()
+        seen_tokens: list[Bundle] = []
         for step in range(1, self.size):
-            *moved, seen = arriving
-            most = torch.maximum(seen, torch.tensor([count], dtype=torch.int64, device=out.device))
-            compute(moved, acc, rows, held)
-            last = step == self.size - 1
-            send = [acc] if last else [*moved, most, acc]
-            arriving = [] if last else empty_like_tokens()
-            landing = out.new_empty(acc.shape)
-            self._exchange(send, [*arriving, landing], _TOKEN_TAG).wait()
+            seen_tokens.append(others)
+            most = torch.maximum(seen, most)
+            compute(others, acc, rows, held)
+            if step == self.size - 1:
+                (landing,) = self.pool.take("outputs", step % 2, [acc.shape], out, planned=False)
+                self._exchange([acc], [landing], _TOKEN_TAG).wait()
+            else:
+                message, sending = self._packed("send", 0, specs, out.device)
+                for view, t in zip(sending, [*others, most, acc], strict=True):
+                    view.copy_(t)
+                landed, arriving = self._packed("arrive", step, specs, out.device)
+                self._exchange([message], [landed], _TOKEN_TAG).wait()
+                *others, seen, landing = arriving
             acc = landing
         largest = int(most)  # every rank's count, after N-1 token hops
         if largest > bound:
             return largest
         out.add_(acc[:count])
+        self._moved = (tuple(tokens), bound, seen_tokens)  # held: their memory cannot become other tokens
         return None
+
+    def _walk_outputs(self, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound) -> None:
+        """token_walk for tokens every rank already holds from the op before (`seen`: the others', in the order
+        they arrived): only the accumulators travel, on tags of their own, so ranks that disagree on whether the
+        tokens are held wait and fail by the timeout instead of reading one message as another."""
+        compute(tokens, out, rows, held)
+        shape = torch.Size((bound, *out.shape[1:]))
+        (acc,) = self.pool.take("outputs", 0, [shape], out, planned=False)
+        acc.zero_()
+        for step, others in enumerate(seen, 1):
+            compute(others, acc, rows, held)
+            (landing,) = self.pool.take("outputs", step % 2, [shape], out, planned=False)
+            self._exchange([acc], [landing], _OUTPUT_TAG).wait()
+            acc = landing
+        out.add_(acc[:count])
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.

@@ -68,6 +68,7 @@ def rotate_forward(
     compute: Compute,
     dtype: torch.dtype | None = None,
     backward: bool = False,
+    head: bool = False,
 ) -> None:
     """Fill `out` [tokens, ...] with an op's output for `tokens` (each [tokens, ...]): `compute(tokens, out,
     rows, chunk)` writes or adds the share of the chunk holding `rows`, zeros elsewhere.
@@ -79,20 +80,40 @@ def rotate_forward(
     backward's recomputation (gradient checkpointing) always moves weights: it runs outside the forward
     the ranks agreed on.
     `backward`: the op's backward reads what `compute` leaves of this rank's tokens beside `out` (the
-    experts' activations), so the tokens move only when no rank's forward records gradients.
+    experts' activations), so the tokens move only when no rank's forward records gradients. `head`: an LM
+    head, which generate calls on each sequence's last token: its walk starts at the most sequences a rank has.
     """
-    traffic = ring.traffic
-    if traffic is not None and ring.size > 1 and current_graph_task_id() == -1 and not (backward and traffic.grad):
-        weight_bytes = sum(math.prod(s) for s in layout.global_shapes) // ring.size * own[0].element_size()
-        row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in (*tokens, out))
-        bound: int | None = traffic.bound
-        while bound is not None and traffic.moves_tokens(bound, weight_bytes, row_bytes):
-            out.zero_()
-            # None: done; else the most tokens any rank brought, more than `bound`: walk again, by that bound
-            bound = ring.token_walk(own, layout, tokens, fill, out, compute, bound)
-            if bound is None:
-                return
+    weight_bytes = sum(math.prod(s) for s in layout.global_shapes) // ring.size * own[0].element_size()
+    bound = token_bound(ring, weight_bytes, tokens, out, head=head, backward=backward)
+    while bound is not None:
+        out.zero_()
+        # None: done; else the most tokens any rank brought, more than `bound`: decide again by that bound
+        bound = ring.token_walk(own, layout, tokens, fill, out, compute, bound)
+        if bound is None:
+            return
+        bound = token_bound(ring, weight_bytes, tokens, out, bound=bound)
     ring.forward_walk(own, layout, lambda rows, chunk: compute(tokens, out, rows, chunk), dtype)
+
+
+def token_bound(
+    ring: Ring,
+    weight_bytes: int,
+    tokens: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    *,
+    head: bool = False,
+    backward: bool = False,
+    bound: int | None = None,
+) -> int | None:
+    """How many token rows each rank sends if this op moves its tokens (rotate_forward), or None: it moves its
+    weights (`weight_bytes` per rank). From numbers every rank agreed on: the same answer on every rank."""
+    traffic = ring.traffic
+    if traffic is None or ring.size == 1 or current_graph_task_id() != -1 or (backward and traffic.grad):
+        return None
+    if bound is None:
+        bound = traffic.sequences if head else traffic.bound
+    row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in (*tokens, out))
+    return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, ring.piece_bytes) else None
 
 
 def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:

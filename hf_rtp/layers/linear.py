@@ -22,7 +22,7 @@ from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own
 
 class _RotatedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, layout: ChunkLayout, bias_after: bool = False):
+    def forward(ctx, x, weight, bias, ring: Ring, layout: ChunkLayout, bias_after: bool = False, head: bool = False):
         # bias_after: `x @ W.T + bias` written out (FalconLinear): the sum in the promoted dtype, as its code
         added = bias_after and bias is not None
         out = x.new_empty(*x.shape[:-1], layout.rows, dtype=torch.promote_types(x.dtype, bias.dtype) if added else None)
@@ -47,6 +47,7 @@ class _RotatedLinearFn(torch.autograd.Function):
                 out.view(-1, layout.rows),
                 compute,
                 None if added else x.dtype,
+                head=head,
             )
         # Only the input is kept for backward; the weights are fetched again by the backward walk.
         ctx.save_for_backward(x, weight, bias)
@@ -82,7 +83,7 @@ class _RotatedLinearFn(torch.autograd.Function):
             dtype=x.dtype,
         )
         grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
-        return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None, None
+        return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None, None, None
 
 
 class RotatedLinear(nn.Linear):
@@ -91,6 +92,8 @@ class RotatedLinear(nn.Linear):
     It stays an nn.Linear (global in/out features, vanilla parameter names) so PEFT, Trainer and
     `named_parameters()` see what they expect.
     """
+
+    is_head = False  # the model's LM head (model.install): generate calls it on each sequence's last token only
 
     def __init__(self, source: nn.Linear, *, ring: Ring, weight: nn.Parameter, bias: nn.Parameter | None = None):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a full weight
@@ -104,8 +107,19 @@ class RotatedLinear(nn.Linear):
         self.bias_after_matmul = type(source).forward is not nn.Linear.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        siblings = self.__dict__.get("siblings")  # layers.siblings: q, k and v on the same tokens, say
+        if siblings is not None:
+            found = siblings.forward(self, x)
+            if found is not None:
+                return found
         return _RotatedLinearFn.apply(
-            cast_for_matmul(x), local(self.weight), local(self.bias), self.ring, self.layout, self.bias_after_matmul
+            cast_for_matmul(x),
+            local(self.weight),
+            local(self.bias),
+            self.ring,
+            self.layout,
+            self.bias_after_matmul,
+            self.is_head,
         )
 
 

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..distributed.rotated import make_rotated
 from ..distributed.topology import Topology
-from ..layers import LAYERS
+from ..layers import LAYERS, RotatedLinear, siblings
 from ..plans import Resolution
 from .ties import tie_targets
 
@@ -48,6 +48,14 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
             first = params[f"{module_name}.{LAYERS[kind].rotated_leaves[0]}"]
             topology.ring.plan(rotated.layout, cast(DTensor, first).to_local())
 
+    if rotate:
+        parents = {name.rpartition(".")[0] for name, kind in resolution.rotated.items() if kind == "linear"}
+        for parent in parents:
+            siblings.group(model.get_submodule(parent), RotatedLinear)
+    outputs = getattr(model, "get_output_embeddings", None)
+    head = outputs() if callable(outputs) else None
+    if isinstance(head, RotatedLinear):
+        head.is_head = True
     for module in model.modules():
         for key, buffer in module._buffers.items():
             if buffer is not None:

@@ -3,10 +3,12 @@
 A rotated op moves either its weight pieces or the tokens (their inputs and outputs), whichever is
 fewer bytes per hop (distributed.ring.Traffic). Every rank of the ring must walk the same way and know
 how many token rows the others send, so at each forward's meeting (the `forward` entry every rank makes
-already, rendezvous.enter) each rank brings the tokens of its forward, whether it records gradients, and
-its rotation_moves; the ring walks with the most tokens any rank brought (shorter token sets travel
-padded). A forward whose inputs this module cannot count (images beside the text, a call without
-input_ids or inputs_embeds) moves weights, on every rank.
+already, rendezvous.enter) each rank brings the tokens of its forward and their sequences, whether it
+records gradients, and its rotation_moves; the ring walks with the most tokens any rank brought (shorter
+token sets travel padded), and the LM head with the most sequences (generate keeps only each sequence's
+last logits; an op that sees more learns so from its walk, Ring.token_walk). A forward whose inputs this
+module cannot count (images beside the text, a call without input_ids or inputs_embeds) moves weights, on
+every rank.
 """
 
 from __future__ import annotations
@@ -25,42 +27,47 @@ _TEXT_INPUTS = frozenset(
 _UNCOUNTED = -1
 
 
-def tokens_of(args: tuple, kwargs: dict) -> int:
-    """The tokens a backbone forward brings to its rotated ops, or _UNCOUNTED."""
+def tokens_of(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """The tokens a backbone forward brings to its rotated ops and in how many sequences, or _UNCOUNTED twice."""
     given = dict(kwargs)
     if args:
         if len(args) > 1 or "input_ids" in given:
-            return _UNCOUNTED
+            return _UNCOUNTED, _UNCOUNTED
         given["input_ids"] = args[0]
     if any(isinstance(v, torch.Tensor) and k not in _TEXT_INPUTS for k, v in given.items()):
-        return _UNCOUNTED
+        return _UNCOUNTED, _UNCOUNTED
     ids, embeds = given.get("input_ids"), given.get("inputs_embeds")
     if isinstance(ids, torch.Tensor) and embeds is None:
-        return ids.numel()
+        return ids.numel(), ids[..., 0].numel()
     if isinstance(embeds, torch.Tensor) and ids is None:
-        return embeds[..., 0].numel()
-    return _UNCOUNTED
+        return embeds[..., 0].numel(), embeds[..., 0, 0].numel()
+    return _UNCOUNTED, _UNCOUNTED
 
 
 def payload(ring: Ring, args: tuple, kwargs: dict) -> list[int]:
     """What this rank brings to the forward's meeting."""
-    return [tokens_of(args, kwargs), int(torch.is_grad_enabled()), MOVES.index(ring.moves)]
+    return [*tokens_of(args, kwargs), int(torch.is_grad_enabled()), MOVES.index(ring.moves)]
 
 
 def agree(ring: Ring, everyone: list[list[int]]) -> None:
     """Set the ring's traffic for this forward from every rank's payload (the same on every rank)."""
-    moves = {MOVES[code] for _, _, code in everyone}
+    moves = {MOVES[code] for *_, code in everyone}
     if len(moves) > 1:
         raise CollectiveMisuseError(
             "ranks passed different rotation_moves to from_pretrained: "
-            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (_, _, code) in enumerate(everyone))
+            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (*_, code) in enumerate(everyone))
             + ". Every rank must walk the ring the same way: pass one value on every rank."
         )
-    counts = [tokens for tokens, _, _ in everyone]
+    counts = [tokens for tokens, *_ in everyone]
     if _UNCOUNTED in counts or ring.moves == "weights":
         ring.traffic = None
         return
-    ring.traffic = Traffic(bound=max(counts), moves=ring.moves, grad=any(grad for _, grad, _ in everyone))
+    ring.traffic = Traffic(
+        bound=max(counts),
+        sequences=max(sequences for _, sequences, _, _ in everyone),
+        moves=ring.moves,
+        grad=any(grad for _, _, grad, _ in everyone),
+    )
 
 
 def clear(ring: Ring) -> None:
