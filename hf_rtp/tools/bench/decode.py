@@ -1,10 +1,11 @@
 """`hf-rtp bench --generate 1,8,32`: greedy decoding speed and memory, side by side.
 
-GRPO-style training spends most of its time in `generate`, and hf_rtp's decode walks every rotated
-weight around the ring once per new token. This measures what that costs: tokens/s of greedy
-`generate` (exactly --new-tokens new tokens) per batch size per rank, for the whole model on every rank
-(what DDP decodes with), transformers' tensor parallelism (`tp_plan="auto"`, one batch on all ranks
-together), hf_rtp, and hf_rtp decoding on a copy gathered by hf_rtp.whole_model (rtp-whole), with each one's peak
+GRPO-style training spends most of its time in `generate`. A decode step carries few tokens, and each of
+hf_rtp's rotated ops then moves the tokens rather than its weights (from_pretrained's rotation_moves). This
+measures tokens/s of greedy `generate` (exactly --new-tokens new tokens) per batch size per rank, for the
+whole model on every rank (what DDP decodes with), transformers' tensor parallelism (`tp_plan="auto"`, one
+batch on all ranks together), hf_rtp, hf_rtp walking weights only (rtp-weights), and hf_rtp decoding on a
+copy gathered by hf_rtp.whole_model (rtp-whole), with each one's peak
 memory per rank during the decode (CPU: VmRSS above the
 process's size before loading; GPU: torch.cuda.max_memory_allocated). Writes generate.json and
 generate.png to --output.
@@ -17,8 +18,10 @@ import os
 
 from .processes import peak_between, run_ranks
 
-# rtp-whole: hf_rtp's model, decoding on hf_rtp.whole_model's gathered copy (the rotated model stays held)
-STRATEGIES = ("ddp", "tp", "rtp", "rtp-whole")
+# rtp-weights: hf_rtp with rotation_moves="weights", every op walking its weights as in training (how hf_rtp
+# decoded before ops could move the tokens); rtp-whole: hf_rtp's model, decoding on hf_rtp.whole_model's gathered
+# copy (the rotated model stays held)
+STRATEGIES = ("ddp", "tp", "rtp", "rtp-weights", "rtp-whole")
 
 
 def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]:
@@ -87,7 +90,7 @@ def ratios(rows: list[dict]) -> list[str]:
     for (strategy, n, batch), rtp in sorted(by.items()):
         if strategy != "rtp":
             continue
-        for other in ("ddp", "tp", "rtp-whole"):
+        for other in ("ddp", "tp", "rtp-weights", "rtp-whole"):
             o = by.get((other, n, batch))
             if o:
                 out.append(

@@ -270,10 +270,19 @@ def parse_args(argv=None):
         nargs="?",
         const="1,8,32",
         help="instead: tokens/s and peak memory of greedy "
-        "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp and rtp-whole "
+        "generate at these batch sizes per rank (default 1,8,32) for ddp, tp, rtp, rtp-weights and rtp-whole "
         "(hf_rtp.tools.bench.decode)",
     )
-    p.add_argument("--new-tokens", type=int, default=128, help="with --generate: tokens each sequence decodes")
+    p.add_argument(
+        "--new-tokens", type=int, default=128, help="with --generate or --grpo: tokens each sequence decodes"
+    )
+    p.add_argument(
+        "--grpo",
+        action="store_true",
+        help="instead: the step time of TRL's GRPOTrainer (generation in-process) for ddp and rtp, prompts of --seq "
+        "tokens, --num-generations completions of --new-tokens each (hf_rtp.tools.bench.grpo)",
+    )
+    p.add_argument("--num-generations", type=int, default=8, help="with --grpo: completions per prompt (per rank)")
     p.add_argument(
         "--long-sequence",
         action="store_true",
@@ -300,7 +309,10 @@ def main(argv=None) -> dict:
     if args.long_sequence:
         default, args.batch = "ddp,fsdp2,rtp,rtp-cp", 1
     strategies = (args.strategies or default).split(",")
-    known = STRATEGIES + VARIANTS + (("rtp-whole",) if args.generate else ())
+    if args.grpo:
+        default = "ddp,rtp"
+        strategies = (args.strategies or default).split(",")
+    known = STRATEGIES + VARIANTS + (("rtp-weights", "rtp-whole") if args.generate else ())
     unknown = set(strategies) - set(known)
     if unknown or any(n < 1 for n in sizes):
         raise SystemExit(f"strategies must be among {', '.join(known)} and world sizes >= 1")
@@ -334,6 +346,10 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
         args.preset, os.path.join(tempfile.gettempdir(), f"hf-rtp-bench-{args.preset}")
     )
     name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset
+    if args.grpo:
+        from . import grpo
+
+        return grpo.run(args, checkpoint, sizes, strategies, name)
     if args.generate:
         from . import decode
 

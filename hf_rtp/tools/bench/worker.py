@@ -69,6 +69,7 @@ def _load(
             attn_implementation="sdpa",
             fused_loss=strategy in ("rtp", "rtp-2d", "rtp-cp"),
             rtp_size=rtp_size if strategy == "rtp-2d" else None,
+            rotation_moves="weights" if strategy == "rtp-weights" else "auto",  # decode as before tokens could move
         )
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
@@ -173,7 +174,7 @@ def _ring(model: nn.Module):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("strategy", choices=STRATEGIES + VARIANTS + ("rtp-whole",))
+    p.add_argument("strategy", choices=STRATEGIES + VARIANTS + ("rtp-weights", "rtp-whole"))
     p.add_argument("checkpoint")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
