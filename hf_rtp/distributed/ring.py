@@ -72,19 +72,16 @@ class BufferPool:
         self._planned: dict[torch.device, int] = {}
         self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
 
-    def take(
-        self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor, planned: bool = True
-    ) -> list[torch.Tensor]:
-        """Views of `shapes` in `like`'s dtype, carved from the slot; `planned=False` (the tokens' slots, which
-        are sized by the tokens, not by the weights' pieces) grows the slot only to what is asked."""
+    def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `shapes` in `like`'s dtype, carved one after another from the slot."""
         size = like.element_size()
         need = sum(math.prod(s) for s in shapes) * size
         key = (role, slot, like.device)
         flat = self._flat.get(key)
         if flat is None or flat.numel() < need:
             flat = None  # free the smaller buffer before allocating the larger one
-            least = self._planned.get(like.device, 0) * _matmul_itemsize(like) if planned else 0
-            flat = torch.empty(max(need, least), dtype=torch.uint8, device=like.device)
+            planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
+            flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
         views, offset = [], 0
@@ -101,6 +98,10 @@ class BufferPool:
         Slots are still allocated on first use: gradient slots only once training starts.
         """
         self._planned[like.device] = max(self._planned.get(like.device, 0), numel)
+
+    def planned(self, device: torch.device) -> int:
+        """The largest piece's elements planned for `device`'s slots (0 before any layer planned)."""
+        return self._planned.get(device, 0)
 
     def buffers(self, role: str) -> list[torch.Tensor]:
         """The role's flat slots, as bytes."""
@@ -119,13 +120,18 @@ class Traffic:
     moves: str
     grad: bool
 
-    def moves_tokens(self, bound: int, weight_bytes: int, row_bytes: int, piece_bytes: int) -> bool:
+    def moves_tokens(self, bound: int, weight_bytes: int, row_bytes: int, held_bytes: int, slot_bytes: int) -> bool:
         """Whether an op whose weight chunk is `weight_bytes` and whose `bound` tokens carry `row_bytes` each
         (their inputs and outputs) moves the tokens: the same answer on every rank, from agreed numbers only.
-        Never more than a weight piece's bytes (`piece_bytes`) per hop: the tokens' buffers stay that small."""
-        if self.moves == "weights":
+        Only if what a token walk holds at once in either weight slot (`held_bytes`, Ring.token_walk) fits the
+        `slot_bytes` the weights' walks reserve: moving tokens takes no memory of its own."""
+        if self.moves == "weights" or held_bytes > slot_bytes:
             return False
-        return self.moves == "activations" or (bound * row_bytes < weight_bytes and bound * row_bytes <= piece_bytes)
+        return self.moves == "activations" or bound * row_bytes < weight_bytes
+
+
+def _message_bytes(specs) -> int:
+    return sum(n + (-n) % 8 for n in (math.prod(shape) * dtype.itemsize for shape, dtype in specs))
 
 
 def identities(tokens: Bundle) -> tuple:
@@ -249,6 +255,7 @@ class Ring:
         """Call `compute(rows, piece)` for every piece of every chunk, own chunk first, while the next
         piece is in flight. `rows` are the piece's global rows [start, end). `dtype`: what the
         matmuls run in (travel_dtype)."""
+        self._moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         pieces = self.pieces(layout, own[0])
         travel = self.travel_dtype(own, dtype)
         like = own[0].new_empty(0, dtype=travel)
@@ -293,6 +300,7 @@ class Ring:
         `accumulate_dtype` where given (attention's K/V gradients, which are activations', not parameters').
         """
         like = own[0]
+        self._moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         summed = accumulate_dtype or self.reduce_dtype or like.dtype
         if self.size == 1:
             acc = None
@@ -360,17 +368,27 @@ class Ring:
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
 
-    def _packed(self, role: str, slot: int, specs, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One message: a uint8 view of a slot of the pool, and views of `specs` (shape, dtype) carved one after
-        another from it, each at an offset aligned to 8 bytes."""
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-        total = sum(n + (-n) % 8 for n in sizes)
-        (flat,) = self.pool.take(f"tokens-{role}", slot, [torch.Size((total,))], _BYTES.to(device), planned=False)
+    def _carve(self, slot: int, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        """uint8 regions of `sizes` bytes (each at an offset aligned to 8) from the weights' slot `slot`: a forward
+        that moves tokens moves no weights, so their buffers hold the tokens (Traffic keeps them small enough)."""
+        shapes = [torch.Size((n + (-n) % 8,)) for n in sizes]
+        regions = self.pool.take("weights", slot, shapes, _BYTES.to(device))
+        return [r[:n] for r, n in zip(regions, sizes, strict=True)]
+
+    @staticmethod
+    def _views(message: torch.Tensor, specs) -> list[torch.Tensor]:
+        """Views of `specs` (shape, dtype) one after another in a message's bytes, each at an offset aligned to 8."""
         views, offset = [], 0
-        for (shape, dtype), n in zip(specs, sizes, strict=True):
-            views.append(flat[offset : offset + n].view(dtype).view(shape))
+        for shape, dtype in specs:
+            n = math.prod(shape) * dtype.itemsize
+            views.append(message[offset : offset + n].view(dtype).view(shape))
             offset += n + (-n) % 8
-        return flat, views
+        return views
+
+    def slot_bytes(self, like: torch.Tensor) -> int:
+        """What a weights' slot holds for a layer of `like`'s dtype (BufferPool.plan): the most a token walk may
+        use of each of the two."""
+        return self.pool.planned(like.device) * like.element_size()
 
     def token_walk(
         self,
@@ -410,23 +428,29 @@ class Ring:
             return None
         fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
         most = torch.tensor([count], dtype=torch.int64, device=out.device)
-        # One message per hop (gloo pays per message), in buffers of the pool: gloo pays several times more to send
-        # from or receive into memory it has not seen. The tokens padded to `bound`, the largest count, then (after
-        # the first hop) the accumulator; each hop's arrivals in a slot of their own, which the next op may reuse.
+        # One message per hop (gloo pays per message), in the pool's weight slots: gloo pays several times more to
+        # send from or receive into memory it has not seen. The tokens padded to `bound`, the largest count, then
+        # (after the first hop) the accumulator.
+        self._moved = None  # the arrivals below overwrite the tokens kept from the op before
         specs = [((bound, *t.shape[1:]), t.dtype) for t in tokens] + [(most.shape, most.dtype)]
-        message, first = self._packed("send", 0, specs, out.device)
+        hop = [*specs, ((bound, *out.shape[1:]), out.dtype)]  # after the first hop: the accumulator too
+        acc_bytes = bound * math.prod(out.shape[1:]) * out.element_size()
+        # slot 0: what this rank sends, the accumulator and where the last one lands; slot 1: what arrives at
+        # each hop, kept for the next op on the same tokens
+        message, acc_region, landing_region = self._carve(0, [_message_bytes(hop), acc_bytes, acc_bytes], out.device)
+        arrivals = self._carve(1, [_message_bytes(specs)] + [_message_bytes(hop)] * (self.size - 2), out.device)
+        first = self._views(message, specs)
         for view, t, f in zip(first[:-1], tokens, fill, strict=True):
             view[:fits] = t[:fits]
             view[fits:] = f
         first[-1].copy_(most)
-        landed, arriving = self._packed("arrive", 0, specs, out.device)
-        pending = self._exchange([message], [landed], _TOKEN_TAG)
+        sent = message[: _message_bytes(specs)]
+        pending = self._exchange([sent], [arrivals[0]], _TOKEN_TAG)
         if count <= bound:
             compute(tokens, out, rows, held)  # this rank's share of its own tokens stays home
         pending.wait()
-        *others, seen = arriving
-        specs.append(((bound, *out.shape[1:]), out.dtype))
-        (acc,) = self.pool.take("outputs", 0, [torch.Size(specs[-1][0])], out, planned=False)
+        *others, seen = self._views(arrivals[0], specs)
+        acc = acc_region.view(out.dtype).view(bound, *out.shape[1:])
         acc.zero_()
         seen_tokens: list[Bundle] = []
         for step in range(1, self.size):
@@ -434,15 +458,13 @@ class Ring:
             most = torch.maximum(seen, most)
             compute(others, acc, rows, held)
             if step == self.size - 1:
-                (landing,) = self.pool.take("outputs", step % 2, [acc.shape], out, planned=False)
+                landing = landing_region.view(out.dtype).view(acc.shape)
                 self._exchange([acc], [landing], _TOKEN_TAG).wait()
             else:
-                message, sending = self._packed("send", 0, specs, out.device)
-                for view, t in zip(sending, [*others, most, acc], strict=True):
+                for view, t in zip(self._views(message, hop), [*others, most, acc], strict=True):
                     view.copy_(t)
-                landed, arriving = self._packed("arrive", step, specs, out.device)
-                self._exchange([message], [landed], _TOKEN_TAG).wait()
-                *others, seen, landing = arriving
+                self._exchange([message], [arrivals[step]], _TOKEN_TAG).wait()
+                *others, seen, landing = self._views(arrivals[step], hop)
             acc = landing
         largest = int(most)  # every rank's count, after N-1 token hops
         if largest > bound:
@@ -456,12 +478,14 @@ class Ring:
         they arrived): only the accumulators travel, on tags of their own, so ranks that disagree on whether the
         tokens are held wait and fail by the timeout instead of reading one message as another."""
         compute(tokens, out, rows, held)
-        shape = torch.Size((bound, *out.shape[1:]))
-        (acc,) = self.pool.take("outputs", 0, [shape], out, planned=False)
+        shape = (bound, *out.shape[1:])
+        regions = self._carve(0, [math.prod(shape) * out.element_size()] * 2, out.device)  # slot 1 holds `seen`
+        buffers = [r.view(out.dtype).view(shape) for r in regions]
+        acc = buffers[0]
         acc.zero_()
         for step, others in enumerate(seen, 1):
             compute(others, acc, rows, held)
-            (landing,) = self.pool.take("outputs", step % 2, [shape], out, planned=False)
+            landing = buffers[step % 2]
             self._exchange([acc], [landing], _OUTPUT_TAG).wait()
             acc = landing
         out.add_(acc[:count])
@@ -475,6 +499,7 @@ class Ring:
         yields nothing. Every rank must exhaust the iterator.
         """
         start, end = rows or (0, layout.rows)
+        self._moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         count = self.pieces(layout, own)  # the walks' pieces, so the pool's slots already fit them
 
         def pieces(j: int) -> list[Rows]:

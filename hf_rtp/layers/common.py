@@ -113,7 +113,10 @@ def token_bound(
     if bound is None:
         bound = traffic.sequences if head else traffic.bound
     row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in (*tokens, out))
-    return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, ring.piece_bytes) else None
+    # a walk holds a hop's message, the accumulator and its landing in one slot, N-1 hops' arrivals in the other
+    held = bound * (row_bytes + 8) * max(ring.size - 1, 3) + 64
+    slot = ring.slot_bytes(out)
+    return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, held, slot) else None
 
 
 def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ member's own walk would have: its own rows, F.linear, in the input's dtype.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -29,21 +30,21 @@ class Siblings:
     def __init__(self, members: list[Any]):  # RotatedLinear (a layer of its own would import this module)
         self.members = members
         self.follow: dict[int, list[int]] = {}  # a member called first on some tokens -> those called on them next
-        self._current: tuple[torch.Tensor, int] | None = None  # the last tokens and who got them first
-        self._waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a member -> (its input, held; its output)
+        self._current: tuple[_Seen, int] | None = None  # the last tokens and who got them first
+        self._waiting: dict[int, tuple[_Seen, torch.Tensor]] = {}  # a member -> (its input, its output)
 
     def __deepcopy__(self, memo):
         return self  # a copied member (PEFT's modules_to_save) is not a member: it walks alone
 
     def observe(self, index: int, x: torch.Tensor) -> None:
-        """Learn the call order: `index` got `x` (held, so its memory stays these tokens)."""
+        """Learn the call order: `index` got `x`."""
         current = self._current
-        if current is not None and identities([current[0]]) == identities([x]):
+        if current is not None and current[0].is_(x):
             followers = self.follow.setdefault(current[1], [])
             if index != current[1] and index not in followers:
                 followers.append(index)
         else:
-            self._current = (x, index)
+            self._current = (_Seen(x), index)
 
     def forward(self, member: Any, x: torch.Tensor) -> torch.Tensor | None:
         """`member`'s output, from the group's walk, or None: the caller walks alone."""
@@ -52,21 +53,31 @@ class Siblings:
         if index is None or torch.is_grad_enabled() or ring.traffic is None:
             self._waiting.clear()
             return None
-        x = cast_for_matmul(x)
         waiting = self._waiting.pop(index, None)
-        if waiting is not None and identities([waiting[0]]) == identities([x]):
+        if waiting is not None and waiting[0].is_(x):
             return waiting[1]
         self.observe(index, x)
         group = [index, *self.follow.get(index, [])]
         if len(group) == 1:
             return None
         modules = [self.members[i] for i in group]
-        outputs = _walk(modules, x, ring)
+        outputs = _walk(modules, cast_for_matmul(x), ring)
         if outputs is None:
             return None
         for i, out in zip(group[1:], outputs[1:], strict=True):
-            self._waiting[i] = (x, out)
+            self._waiting[i] = (_Seen(x), out)
         return outputs[0]
+
+
+class _Seen:
+    """A tensor a group saw, by a weak reference (a prompt's hidden states must not outlive their layer) and its
+    identity then: the same tensor, unchanged since (Ring's identities), while it lives."""
+
+    def __init__(self, x: torch.Tensor):
+        self._ref, self._identity = weakref.ref(x), identities([x])
+
+    def is_(self, x: torch.Tensor) -> bool:
+        return self._ref() is x and identities([x]) == self._identity
 
 
 def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:

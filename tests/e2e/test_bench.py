@@ -181,7 +181,7 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys, ra
     ]
     printed = _bench(tmp_path, capsys, args)
     rows = json.loads((out / "generate.json").read_text())["decode"]
-    expected = [(s, b) for s in ("ddp", "rtp", "rtp-whole", "tp") for b in (1, 3)]
+    expected = [(s, b) for s in ("ddp", "rtp", "rtp-weights", "rtp-whole", "tp") for b in (1, 3)]
     assert sorted((r["strategy"], r["batch"]) for r in rows) == expected
     assert all(r["gather_s"] > 0 for r in rows if r["strategy"] == "rtp-whole")
     for r in rows:
@@ -189,6 +189,21 @@ def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys, ra
         assert abs(r["tokens_per_s"] - sequences * 4 / r["seconds"]) < 1e-6 * r["tokens_per_s"]
         assert r["peak_gb"] > 0
     assert "N=2 batch 3: rtp/ddp: tokens/s" in printed and (out / "generate.png").stat().st_size > 0
+    assert "N=2 batch 3: rtp/rtp-weights: tokens/s" in printed
+
+
+def test_grpo_mode_times_grpotrainer_steps_beside_ddp(tmp_path, capsys, rank_server):
+    """--grpo: TRL's GRPOTrainer on each rank, vanilla under DDP and hf_rtp's, generation in-process."""
+    out = tmp_path / "out"
+    args = ["--world-sizes", "2", "--grpo", "--seq", "8", "--new-tokens", "4", "--num-generations", "2"]
+    printed = _bench(tmp_path, capsys, [*args, "--steps", "3", "--output", str(out)])
+    rows = {r["strategy"]: r for r in json.loads((out / "grpo.json").read_text())["grpo"]}
+    assert set(rows) == {"ddp", "rtp"}
+    for row in rows.values():
+        assert len(row["step_times"]) == 2  # the first step (warm-up) is left out
+        assert row["step_s"] == sum(row["step_times"]) / 2  # the median of two
+        assert all(t > 0 for t in row["step_times"]) and len(row["rewards"]) == 2  # both ranks' logged rewards
+    assert "N=2: rtp/ddp step time" in printed
 
 
 def test_long_sequence_mode_cuts_one_sequence_across_the_ring(tmp_path, capsys, rank_server):

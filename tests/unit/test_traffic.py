@@ -1,0 +1,50 @@
+"""What a forward's ranks agree on before its rotated ops choose between moving weights and moving tokens
+(model/traffic.py, distributed/ring.py's Traffic): single-process, on the numbers each rank would bring."""
+
+import pytest
+import torch
+
+from hf_rtp.distributed.ring import Ring, Traffic
+from hf_rtp.errors import CollectiveMisuseError
+from hf_rtp.model import traffic
+
+
+def test_a_forwards_tokens_are_counted_from_its_text_inputs_only():
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    assert traffic.tokens_of((), {"input_ids": ids, "attention_mask": torch.ones(3, 7)}) == (21, 3)
+    assert traffic.tokens_of((ids,), {}) == (21, 3)  # input_ids by position
+    assert traffic.tokens_of((), {"inputs_embeds": torch.zeros(2, 5, 16)}) == (10, 2)
+    uncounted = (-1, -1)
+    # images bring tokens of their own to the vision tower's rotated ops: weights move
+    assert traffic.tokens_of((), {"input_ids": ids, "pixel_values": torch.zeros(1, 3, 4, 4)}) == uncounted
+    assert traffic.tokens_of((), {"pixel_values": None, "input_ids": ids}) == (21, 3)  # a decode step's None
+    assert traffic.tokens_of((ids, ids), {}) == uncounted
+    assert traffic.tokens_of((), {}) == uncounted
+
+
+def test_ranks_agree_on_the_most_tokens_and_sequences_and_any_gradient():
+    ring = Ring(None)
+    traffic.agree(ring, [[21, 3, 0, 0], [8, 8, 1, 0]])
+    assert ring.traffic == Traffic(bound=21, sequences=8, moves="auto", grad=True)
+    traffic.agree(ring, [[21, 3, 0, 0], [-1, -1, 0, 0]])  # one rank cannot count its tokens: every rank moves weights
+    assert ring.traffic is None
+    ring.moves = "weights"
+    traffic.agree(ring, [[1, 1, 0, 1], [1, 1, 0, 1]])
+    assert ring.traffic is None
+    with pytest.raises(CollectiveMisuseError, match="rank 0: 'auto', rank 1: 'weights'"):
+        traffic.agree(ring, [[1, 1, 0, 0], [1, 1, 0, 1]])
+
+
+@pytest.mark.parametrize(
+    "moves, bound, held, expected",
+    [
+        ("auto", 4, 800, True),  # 4 x 100 bytes of tokens against 1000 of weights
+        ("auto", 10, 800, False),  # as many bytes: the weights, which need no padding
+        ("auto", 4, 1200, False),  # fewer bytes, but more than a weight slot holds: no memory of their own
+        ("activations", 100, 800, True),
+        ("activations", 100, 1200, False),
+        ("weights", 1, 8, False),
+    ],
+)
+def test_an_op_moves_tokens_when_they_are_fewer_bytes_and_fit_the_weight_slots(moves, bound, held, expected):
+    assert Traffic(bound, 1, moves, False).moves_tokens(bound, 1000, 100, held, 1000) is expected
