@@ -120,9 +120,10 @@ def from_pretrained(
         rotation_moves: what a rotated op moves around the ring in a forward. "auto" (default): whichever is
             fewer bytes per hop for this forward's tokens, the op's weight pieces (training, prefill) or the
             tokens' inputs and outputs (a decode step: each rank applies its own rows to every rank's tokens
-            and the outputs go home); the same outputs either way. "weights" or "activations" force one
-            (activations only in forwards whose ranks agreed on their token counts; backward always moves
-            weights). Every rank must pass the same value.
+            and the outputs go home); the same outputs either way. "weights" forces the first; "activations"
+            the second wherever it can run: in forwards whose ranks counted their tokens (text inputs), for
+            tokens that fit the ring's two weight slots (moving tokens takes no memory of its own). Backward
+            always moves weights. Every rank must pass the same value.
         kwargs: transformers' own keywords, with vanilla's meaning: `config=`, `subfolder`, `variant`,
             `use_safetensors`, `output_loading_info` (then a (model, info) pair is returned),
             `generation_config`, `torch_dtype`, `device_map` that puts the whole model on one device
