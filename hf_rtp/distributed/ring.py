@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..private.torch_names import version
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
 from .pending import Pending
 from .replicas import ReplicaSum
@@ -48,7 +49,6 @@ _GRAD_TAG = 64
 _COLLECT_TAG = 128
 _TOKEN_TAG = 192
 _OUTPUT_TAG = 224
-_BYTES = torch.empty(0, dtype=torch.uint8)
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
 Rows = tuple[int, int]
 
@@ -136,9 +136,9 @@ def _message_bytes(specs) -> int:
 
 def identities(tokens: Bundle) -> tuple:
     """What makes two token sets the same tokens: the same memory, seen the same way, unchanged since (each op
-    reshapes its input afresh, so the tensor objects differ; an in-place change bumps `_version`). The ring holds
+    reshapes its input afresh, so the tensor objects differ; an in-place change bumps its version). The ring holds
     the tokens it compares with, so their memory is not freed and reused by other tokens meanwhile."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t._version) for t in tokens)
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, version(t)) for t in tokens)
 
 
 class Ring:
@@ -368,12 +368,17 @@ class Ring:
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
 
-    def _carve(self, slot: int, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    def _carve(self, slot: int, sizes: Sequence[int], like: torch.Tensor) -> list[torch.Tensor]:
         """uint8 regions of `sizes` bytes (each at an offset aligned to 8) from the weights' slot `slot`: a forward
-        that moves tokens moves no weights, so their buffers hold the tokens (Traffic keeps them small enough)."""
-        shapes = [torch.Size((n + (-n) % 8,)) for n in sizes]
-        regions = self.pool.take("weights", slot, shapes, _BYTES.to(device))
-        return [r[:n] for r, n in zip(regions, sizes, strict=True)]
+        that moves tokens moves no weights, so their buffers hold the tokens (Traffic keeps them small enough).
+        Taken as `like`'s dtype (the matmuls'), which sizes a slot as the weights' walks size it."""
+        padded = [n + (-n) % 8 for n in sizes]
+        (flat,) = self.pool.take("weights", slot, [torch.Size((-(-sum(padded) // like.element_size()),))], like)
+        raw, regions, offset = flat.view(torch.uint8), [], 0
+        for n, room in zip(sizes, padded, strict=True):
+            regions.append(raw[offset : offset + n])
+            offset += room
+        return regions
 
     @staticmethod
     def _views(message: torch.Tensor, specs) -> list[torch.Tensor]:
@@ -437,8 +442,8 @@ class Ring:
         acc_bytes = bound * math.prod(out.shape[1:]) * out.element_size()
         # slot 0: what this rank sends, the accumulator and where the last one lands; slot 1: what arrives at
         # each hop, kept for the next op on the same tokens
-        message, acc_region, landing_region = self._carve(0, [_message_bytes(hop), acc_bytes, acc_bytes], out.device)
-        arrivals = self._carve(1, [_message_bytes(specs)] + [_message_bytes(hop)] * (self.size - 2), out.device)
+        message, acc_region, landing_region = self._carve(0, [_message_bytes(hop), acc_bytes, acc_bytes], out)
+        arrivals = self._carve(1, [_message_bytes(specs)] + [_message_bytes(hop)] * (self.size - 2), out)
         first = self._views(message, specs)
         for view, t, f in zip(first[:-1], tokens, fill, strict=True):
             view[:fits] = t[:fits]
@@ -479,7 +484,7 @@ class Ring:
         tokens are held wait and fail by the timeout instead of reading one message as another."""
         compute(tokens, out, rows, held)
         shape = (bound, *out.shape[1:])
-        regions = self._carve(0, [math.prod(shape) * out.element_size()] * 2, out.device)  # slot 1 holds `seen`
+        regions = self._carve(0, [math.prod(shape) * out.element_size()] * 2, out)  # slot 1 holds `seen`
         buffers = [r.view(out.dtype).view(shape) for r in regions]
         acc = buffers[0]
         acc.zero_()

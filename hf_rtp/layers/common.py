@@ -92,7 +92,7 @@ def rotate_forward(
         if bound is None:
             return
         bound = token_bound(ring, weight_bytes, tokens, out, bound=bound)
-    ring.forward_walk(own, layout, lambda rows, chunk: compute(tokens, out, rows, chunk), dtype)
+    ring.forward_walk(own, layout, lambda rows, chunk: compute(tokens, out, rows, chunk), dtype=dtype)
 
 
 def token_bound(

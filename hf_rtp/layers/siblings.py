@@ -13,6 +13,7 @@ member's own walk would have: its own rows, F.linear, in the input's dtype.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -87,7 +88,9 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
     widths = [m.out_features for m in modules]
     flat = x.reshape(-1, x.shape[-1])
     out = flat.new_zeros(flat.shape[0], sum(widths))
-    weight_bytes = sum(w.numel() * w.element_size() for w, _ in weights)
+    # global shapes, not this rank's chunks (uneven at some world sizes): every rank must decide alike
+    size = weights[0][0].element_size()
+    weight_bytes = sum(math.prod(s) for m in modules for s in m.layout.global_shapes) // ring.size * size
     bound = token_bound(ring, weight_bytes, [flat], out)
     if bound is None:
         return None

@@ -49,6 +49,15 @@ assert_async = _get(torch, "_assert_async")
 DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
+_get(torch.Tensor, "_version")
+
+
+def version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter, shared with its views (distributed/ring.py's identities: tokens
+    a later op may reuse unchanged)."""
+    return tensor._version
+
+
 def local_tensor(tensor: DTensor) -> torch.Tensor:
     """A DTensor's local shard without autograd's to_local() node (DTensor's own field)."""
     return tensor._local_tensor

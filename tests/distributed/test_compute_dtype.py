@@ -25,7 +25,9 @@ def _run(ckpt, batch, **load):
     import hf_rtp
     from hf_rtp.model.state import state_of
 
-    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, **load).train()
+    # what the weights' walks carry and hold: this batch's few tokens would move instead in some ops (the
+    # embedding's), which test_generate_moves.py compares with vanilla
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rotation_moves="weights", **load).train()
     ring = state_of(model).topology.ring
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         sent = ring.sent_bytes

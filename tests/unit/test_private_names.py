@@ -26,6 +26,7 @@ GATED = {
     "_no_split_modules", "_models", "_optimizers", "_shared_state", "_amp_foreach_non_finite_check_and_unscale_",
     "_keep_in_fp32_modules", "_validate_accelerator", "_supports_sdpa", "_prepare_cp",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_version",
 }  # fmt: skip
 LIBRARIES = ("torch", "transformers", "accelerate")
 
