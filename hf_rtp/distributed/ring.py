@@ -49,6 +49,9 @@ _GRAD_TAG = 64
 _COLLECT_TAG = 128
 _TOKEN_TAG = 192
 _OUTPUT_TAG = 224
+# A message's latency, in the bytes a link moves meanwhile: gloo between CPU processes about 0.2 ms at about
+# 1 GB/s, NCCL about 10 us at 10-100 GB/s. An op whose weights are about this small walks them, in fewer hops.
+HOP_BYTES = 256 * 1024
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
 Rows = tuple[int, int]
 
@@ -120,14 +123,19 @@ class Traffic:
     moves: str
     grad: bool
 
-    def moves_tokens(self, bound: int, weight_bytes: int, row_bytes: int, held_bytes: int, slot_bytes: int) -> bool:
+    def moves_tokens(
+        self, bound: int, weight_bytes: int, row_bytes: int, held_bytes: int, slot_bytes: int, ranks: int
+    ) -> bool:
         """Whether an op whose weight chunk is `weight_bytes` and whose `bound` tokens carry `row_bytes` each
         (their inputs and outputs) moves the tokens: the same answer on every rank, from agreed numbers only.
-        Only if what a token walk holds at once in either weight slot (`held_bytes`, Ring.token_walk) fits the
-        `slot_bytes` the weights' walks reserve: moving tokens takes no memory of its own."""
+        The weights make N-1 hops, the tokens N (their outputs go home), each hop costing HOP_BYTES of latency
+        beside its bytes. Only if what a token walk holds at once in either weight slot (`held_bytes`,
+        Ring.token_walk) fits the `slot_bytes` the weights' walks reserve: moving tokens takes no memory of its
+        own."""
         if self.moves == "weights" or held_bytes > slot_bytes:
             return False
-        return self.moves == "activations" or bound * row_bytes < weight_bytes
+        tokens = ranks * (HOP_BYTES + bound * row_bytes)
+        return self.moves == "activations" or tokens < (ranks - 1) * (HOP_BYTES + weight_bytes)
 
 
 def _message_bytes(specs) -> int:

@@ -116,7 +116,7 @@ def token_bound(
     # a walk holds a hop's message, the accumulator and its landing in one slot, N-1 hops' arrivals in the other
     held = bound * (row_bytes + 8) * max(ring.size - 1, 3) + 64
     slot = ring.slot_bytes(out)
-    return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, held, slot) else None
+    return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, held, slot, ring.size) else None
 
 
 def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:

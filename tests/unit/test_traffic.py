@@ -36,15 +36,17 @@ def test_ranks_agree_on_the_most_tokens_and_sequences_and_any_gradient():
 
 
 @pytest.mark.parametrize(
-    "moves, bound, held, expected",
+    "moves, weights, bound, held, expected",
     [
-        ("auto", 4, 800, True),  # 4 x 100 bytes of tokens against 1000 of weights
-        ("auto", 10, 800, False),  # as many bytes: the weights, which need no padding
-        ("auto", 4, 1200, False),  # fewer bytes, but more than a weight slot holds: no memory of their own
-        ("activations", 100, 800, True),
-        ("activations", 100, 1200, False),
-        ("weights", 1, 8, False),
+        # 2 ranks: the weights make 1 hop, the tokens 2, each also costing HOP_BYTES (256 KB) of latency
+        ("auto", 2_000_000, 4, 800, True),  # 2 x (256 KB + 400 B) against 256 KB + 2 MB
+        ("auto", 2_000_000, 10_000, 800, False),  # 2 x (256 KB + 1 MB): more than the weights' hop
+        ("auto", 100_000, 4, 800, False),  # small weights: one hop of them is quicker than two of tokens
+        ("auto", 2_000_000, 4, 1200, False),  # fewer bytes, but more than a weight slot holds: no memory of their own
+        ("activations", 100, 100, 800, True),
+        ("activations", 100, 100, 1200, False),
+        ("weights", 2_000_000, 1, 8, False),
     ],
 )
-def test_an_op_moves_tokens_when_they_are_fewer_bytes_and_fit_the_weight_slots(moves, bound, held, expected):
-    assert Traffic(bound, 1, moves, False).moves_tokens(bound, 1000, 100, held, 1000) is expected
+def test_an_op_moves_tokens_when_they_cost_less_and_fit_the_weight_slots(moves, weights, bound, held, expected):
+    assert Traffic(bound, 1, moves, False).moves_tokens(bound, weights, 100, held, 1000, 2) is expected
