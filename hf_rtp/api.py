@@ -117,13 +117,14 @@ def from_pretrained(
             and on a 2-D grid the sum over replicas runs on `.grad`, in that dtype.
             Weights need no setting: under autocast they travel in its dtype (bf16 over float32
             weights sends half the bytes, with the same matmul inputs as casting at each matmul).
-        rotation_moves: what a rotated op moves around the ring in a forward. "auto" (default): whichever is
-            fewer bytes per hop for this forward's tokens, the op's weight pieces (training, prefill) or the
-            tokens' inputs and outputs (a decode step: each rank applies its own rows to every rank's tokens
-            and the outputs go home); the same outputs either way. "weights" forces the first; "activations"
-            the second wherever it can run: in forwards whose ranks counted their tokens (text inputs), for
-            tokens that fit the ring's two weight slots (moving tokens takes no memory of its own). Backward
-            always moves weights. Every rank must pass the same value.
+        rotation_moves: what a rotated op moves around the ring in a forward. "auto" (default): whichever
+            costs less for this forward's tokens (bytes, and a message's latency per hop), the op's weight
+            pieces (training, prefill, small layers) or the tokens' inputs and outputs (a decode step: each
+            rank applies its own rows to every rank's tokens and the outputs go home); the same outputs
+            either way. "weights" forces the first; "activations" the second wherever it can run: in
+            forwards whose ranks counted their tokens (text inputs), for tokens that fit the ring's two weight
+            slots (moving tokens takes no memory of its own). Backward always moves weights. Every rank must
+            pass the same value.
         kwargs: transformers' own keywords, with vanilla's meaning: `config=`, `subfolder`, `variant`,
             `use_safetensors`, `output_loading_info` (then a (model, info) pair is returned),
             `generation_config`, `torch_dtype`, `device_map` that puts the whole model on one device

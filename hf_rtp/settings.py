@@ -44,7 +44,7 @@ class Settings:
     reduce_dtype: torch.dtype | None = None
     """what rotated gradients travel and are summed in (None: the parameter's dtype)"""
     rotation_moves: str = "auto"
-    """what a rotated op moves around the ring in a forward: "auto" (whichever is fewer bytes per hop, the
+    """what a rotated op moves around the ring in a forward: "auto" (whichever costs less: bytes and hops, the
     weight pieces or the tokens), "weights" or "activations" (distributed.ring.Traffic)"""
 
     @classmethod

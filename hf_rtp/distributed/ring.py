@@ -181,7 +181,7 @@ class Ring:
             self._batched = dist.get_backend(group) == "nccl"
         self.pool = BufferPool()
         self.moves = "auto"
-        """from_pretrained's rotation_moves: what a forward's ops move ("auto": the fewer bytes)"""
+        """from_pretrained's rotation_moves: what a forward's ops move ("auto": what costs less)"""
         self._traffic: Traffic | None = None
         # the last tokens moved, and the other ranks' that arrived with them: an op on the same tokens (k_proj and
         # v_proj after q_proj, up_proj after gate_proj) moves only its outputs

@@ -75,8 +75,9 @@ def rotate_forward(
 
     The weights walk the ring (Ring.forward_walk, `dtype`: what they travel in), unless the ranks agreed at
     this forward's start on so few tokens that moving them (their inputs and outputs, Ring.token_walk,
-    padded with `fill`) costs fewer bytes per hop than a weight chunk. An op that sees more tokens than
-    the forward brought learns so from the walk, on every rank, and decides again by the true count. A
+    padded with `fill`) costs less than the weight chunk's walk (Traffic.moves_tokens: bytes, and hops). An
+    op that sees more tokens than the forward brought learns so from the walk, on every rank, and decides
+    again by the true count. A
     backward's recomputation (gradient checkpointing) always moves weights: it runs outside the forward
     the ranks agreed on.
     `backward`: the op's backward reads what `compute` leaves of this rank's tokens beside `out` (the
