@@ -62,9 +62,11 @@ def enter(
         dist.all_gather(everyone, mine, group=entry)
     except RuntimeError as err:
         waited = time.monotonic() - start
-        gone = _missing(processes)
+        broke = waited < 0.9 * timeout.total_seconds()  # no timeout: the connection to a peer broke
+        # A killed process closes its sockets before it turns zombie: give a dying peer a moment to show.
+        gone = _missing(processes, grace_s=EXIT_GRACE_S if broke else 0.0)
         absent = _absent(call, rank, processes, wait=not gone)  # answered in any case: others may be waiting
-        if waited < 0.9 * timeout.total_seconds():  # no timeout: the connection to a peer broke
+        if broke:
             who_exited = f"{gone}'s process" if gone else f"the process of {absent}" if absent else "a rank's process"
             raise CollectiveMisuseError(
                 f"{call} is collective, and rank {rank} lost another {who} after {waited:.1f} s: "
@@ -92,11 +94,23 @@ def enter(
     return [t[1:].tolist() for t in everyone]
 
 
-def _missing(processes: tuple[tuple[str, int], ...]) -> str:
+EXIT_GRACE_S = 2.0
+"""How long a meet whose connection broke watches this host's ranks for one that is exiting (_missing)."""
+
+
+def _missing(processes: tuple[tuple[str, int], ...], grace_s: float = 0.0) -> str:
     """ "rank 1" / "ranks 1, 3": ranks on this host whose process has exited, is a zombie or is stopped
-    (SIGSTOP, a debugger); "" when none is, or when they run on other hosts, which cannot be looked at."""
+    (SIGSTOP, a debugger); "" when none is, or when they run on other hosts, which cannot be looked at.
+    With `grace_s`, keeps looking that long while none is: a process being killed has already closed its
+    connections (which is how the others learnt of it) while /proc still shows it running."""
     host = socket.gethostname()
-    found = [r for r, (where, pid) in enumerate(processes) if where == host and _state(pid) in ("gone", "Z", "T", "t")]
+    local = [(r, pid) for r, (where, pid) in enumerate(processes) if where == host]
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = [r for r, pid in local if _state(pid) in ("gone", "X", "x", "Z", "T", "t")]
+        if found or not local or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     if not found:
         return ""
     return ("rank " if len(found) == 1 else "ranks ") + ", ".join(map(str, found))

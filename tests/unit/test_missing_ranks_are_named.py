@@ -26,3 +26,18 @@ def test_gone_zombie_and_stopped_ranks_are_named_running_and_remote_ones_are_not
         for p in (running, stopped, zombie):
             p.kill()
             p.wait()
+
+
+def test_a_rank_still_exiting_when_its_connection_broke_is_named_within_the_grace():
+    """A killed rank's sockets close before /proc shows it gone: the meet that saw the connection break
+    watches for it a moment instead of naming nobody (and a running rank is still not named)."""
+    host = socket.gethostname()
+    exiting, running = subprocess.Popen(["sleep", "0.5"]), subprocess.Popen(["sleep", "60"])
+    try:
+        assert _missing(((host, exiting.pid),)) == ""  # still running at this instant
+        assert _missing(((host, running.pid), (host, exiting.pid)), grace_s=10.0) == "rank 1"
+        assert _missing(((host, running.pid),), grace_s=0.2) == ""
+    finally:
+        for p in (exiting, running):
+            p.kill()
+            p.wait()
