@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from ..distributed.agreement import agreed
 from ..errors import CheckpointError
-from .commit import INDEX_NAME, SINGLE_NAME, recover
-from .ownership import read_json
+from ..folders.commit import INDEX_NAME, SINGLE_NAME
+from ..folders.ownership import read_json
 from .safetensors_io import TensorEntry, read_header
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
@@ -111,9 +111,6 @@ def resolve_directory(
     every rank reads one revision, even when caches on different nodes hold different `main`s.
     """
     local = os.path.isdir(name_or_path)
-    with agreed(group, CheckpointError):
-        if local and (not dist.is_initialized() or dist.get_rank() == 0):
-            recover(name_or_path)  # a save_pretrained a crash interrupted mid-commit: finished when provably hf_rtp's
     if dist.is_initialized():
         seen: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(seen, local, group=group)

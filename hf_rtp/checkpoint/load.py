@@ -9,10 +9,10 @@ from transformers import PreTrainedModel
 from .. import faults
 from ..distributed.agreement import agreed
 from ..errors import CheckpointError
+from ..folders.commit import recover_before_reading
 from ..layers.common import local
 from ..log import progress
 from ..model.state import rotated_module, state_of
-from .commit import recover
 from .digests import overlapped
 from .files import find_weights
 from .fingerprint import agree_on_read, prove_files, tensor_digest
@@ -96,9 +96,7 @@ def load_into(model: nn.Module, directory: str) -> None:
     base, state = rotated_module(model), state_of(model)
     assert isinstance(base, PreTrainedModel)  # state_of found it: a model hf_rtp loaded
     topology = state.topology
-    with agreed(topology.control, CheckpointError):
-        if topology.rank == 0:  # a save_pretrained a crash interrupted mid-commit: finished when provably hf_rtp's
-            recover(directory)
+    recover_before_reading(directory, topology.control)  # a save_pretrained a crash interrupted, finished
     with agreed(topology.control, CheckpointError):
         entries = find_weights(directory).tensors()
         wants, _ = wants_for(base, state.resolution, topology, entries)

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from .. import faults
 from ..distributed.agreement import agreed
 from ..errors import CheckpointError, HfRtpError, KeywordError
+from ..folders.atomic import recover_folder, replace_folder
+from ..folders.ownership import FolderLock, is_real_dir, read_json, write_json
 from ..model.state import state_of
-from .atomic import recover_folder, replace_folder
-from .ownership import FolderLock, is_real_dir, read_json, write_json
 from .safetensors_io import read_header
 
 STATE_FILE = "training_state.json"

@@ -24,12 +24,12 @@ from .. import faults
 from ..distributed.agreement import Attempts, agreed
 from ..distributed.sharding import ChunkLayout
 from ..distributed.topology import Topology
+from ..folders import commit
+from ..folders.commit import INDEX_NAME, SINGLE_NAME
 from ..log import info, progress
 from ..model.state import state_of
 from ..model.ties import tie_targets
 from ..settings import parse_size
-from . import commit
-from .commit import INDEX_NAME, SINGLE_NAME
 from .conversion import own
 from .safetensors_io import CheckpointError, StreamingWriter
 

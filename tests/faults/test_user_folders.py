@@ -102,7 +102,7 @@ def test_a_stale_journal_never_wins_against_a_newer_save(ckpt, tmp_path, hf_rtp_
     assert snapshot(folder) == before
 
 
-def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_it(ckpt, tmp_path):
+def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_it(ckpt, tmp_path, caplog):
     folder = str(tmp_path / "out")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "tokenizer.json").write_text("the user's")
@@ -118,7 +118,11 @@ def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_i
             model.save_pretrained(folder, max_shard_size="1GB")  # sharded -> single: the old shards must go
     finally:
         del os.environ["HF_RTP_FAULT"]
-    assert _same(_weights(hf_rtp.from_pretrained(folder)), expected)
+    with caplog.at_level(logging.INFO, logger="hf_rtp"):
+        reloaded = hf_rtp.from_pretrained(folder)  # the load's recovery step, named in the log
+    assert _same(_weights(reloaded), expected)
+    assert f"found the journal of a save_pretrained a crash interrupted in {folder}: finishing it" in caplog.text
+    assert f"finished the interrupted save in {folder}" in caplog.text
     assert sorted(os.listdir(folder)) == [
         "config.json",
         "generation_config.json",

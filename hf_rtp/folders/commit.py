@@ -28,7 +28,10 @@ import re
 import secrets
 import stat
 
+import torch.distributed as dist
+
 from .. import faults
+from ..distributed.agreement import agreed
 from ..errors import CheckpointError
 from ..log import logger
 from .atomic import fsync_dir, fsync_tree
@@ -148,6 +151,16 @@ def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[s
     }
 
 
+def recover_before_reading(directory: str, group=None) -> None:
+    """The load's recovery step, collective (from_pretrained and Trainer's best-model load call it by name, before
+    any rank reads `directory`): global rank 0 finishes a save_pretrained a crash interrupted there (`recover`),
+    so that no rank ever reads a mix of an old and a new checkpoint. A save runs the same finish under the
+    folder's lock before it stages (`finish_interrupted`). Every rank raises if rank 0 failed."""
+    with agreed(group, CheckpointError):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            recover(directory)
+
+
 def recover(directory: str) -> None:
     """On load: finish a commit a crash interrupted, when the folder provably holds what it left. Nothing
     to do without a journal; any doubt, or another save holding the folder, leaves it as it is, with a
@@ -164,9 +177,13 @@ def recover(directory: str) -> None:
 
 
 def finish_interrupted(directory: str) -> None:
-    """Under the folder's lock: finish an interrupted commit, or raise Refused without touching anything."""
+    """Under the folder's lock (a save's first step, and the load's through `recover`): finish an interrupted
+    commit, or raise Refused without touching anything. Logged, as the one time hf_rtp moves files it did not
+    write in this call."""
     if identity(os.path.join(directory, JOURNAL)) is not None:
+        logger.info(f"hf_rtp found the journal of a save_pretrained a crash interrupted in {directory}: finishing it")
         _finish(directory, _read_journal(directory))
+        logger.info(f"hf_rtp finished the interrupted save in {directory}: it holds that save's checkpoint whole")
 
 
 def _read_journal(directory: str) -> dict:
