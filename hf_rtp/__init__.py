@@ -5,6 +5,7 @@ from .api import (
     AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    attach_trainer,
     from_pretrained,
 )
 from .checkpoint.resume import load_training_state, save_training_state
@@ -23,11 +24,11 @@ from .errors import (
 )
 from .integrations.accelerate import Accelerator
 from .integrations.peft import adapter_state_dict
-from .integrations.trainer import attach_trainer
 from .model.context import context_parallel
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
 from .model.state import is_rotated, state_of
 from .model.whole import whole_model
+from .plans import Plan, register
 from .settings import collective_timeout
 from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
@@ -42,6 +43,7 @@ __all__ = [
     "HfRtpError",
     "IntegrationError",
     "KeywordError",
+    "Plan",
     "PlanError",
     "RotatedStateError",
     "SettingError",
@@ -56,6 +58,7 @@ __all__ = [
     "is_rotated",
     "load_training_state",
     "local_rows",
+    "register",
     "save_training_state",
     "state_of",
     "sync_grads",

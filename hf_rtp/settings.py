@@ -3,7 +3,7 @@
     HF_RTP_TIMEOUT        timeout=: how long any collective hf_rtp issues may wait (default 10 minutes)
     HF_RTP_ENTRY_TIMEOUT  how long a call every rank must make waits for the ranks that skip it (60 s)
     HF_RTP_FAULT          a fault to inject at a named point (tests): parsed and validated in faults.py
-    HF_RTP_NO_RENAME_EXCHANGE  tests only: the folder swap takes its fallback path (checkpoint/atomic.py)
+    HF_RTP_NO_RENAME_EXCHANGE  tests only: the folder swap takes its fallback path (folders/atomic.py)
 
 A bad value is an error that names the keyword or variable, raised before any process group exists.
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -28,24 +29,32 @@ MOVES = ("auto", "weights", "activations")  # rotation_moves
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+def _keyword(name: str) -> dict:
+    return {"keyword": name}  # the from_pretrained keyword a field comes from: what LoadSpec passes on
+
+
 @dataclass(frozen=True)
 class Settings:
-    device: torch.device
+    device: torch.device = field(metadata=_keyword("device"))
     """where parameters live: this rank's GPU (LOCAL_RANK) when CUDA is present, else the CPU"""
-    timeout: timedelta
+    timeout: timedelta = field(metadata=_keyword("timeout"))
     """timeout= or HF_RTP_TIMEOUT: every group hf_rtp makes carries it"""
     entry_timeout: timedelta
     """HF_RTP_ENTRY_TIMEOUT: where calls every rank must make meet"""
-    piece_bytes: int
+    piece_bytes: int = field(metadata=_keyword("rotation_piece_size"))
     """rotation_piece_size: chunks larger than this walk the ring in pieces"""
-    verify_weights: str
+    verify_weights: str = field(metadata=_keyword("verify_weights"))
     """how ranks prove they read one checkpoint's bytes ("auto" or "full")"""
-    fused_loss: bool
-    reduce_dtype: torch.dtype | None = None
+    fused_loss: bool = field(metadata=_keyword("fused_loss"))
+    reduce_dtype: torch.dtype | None = field(default=None, metadata=_keyword("reduce_dtype"))
     """what rotated gradients travel and are summed in (None: the parameter's dtype)"""
-    rotation_moves: str = "auto"
+    rotation_moves: str = field(default="auto", metadata=_keyword("rotation_moves"))
     """what a rotated op moves around the ring in a forward: "auto" (whichever costs less: bytes and hops, the
     weight pieces or the tokens), "weights" or "activations" (distributed.ring.Traffic)"""
+
+    def load_spec(self, device_mesh: Any, rtp_size: int, plan: Any) -> LoadSpec:
+        """How a model was loaded with these settings, on this grid with this plan (model.state.RTPState.spec)."""
+        return LoadSpec(self, device_mesh, rtp_size, plan)
 
     @classmethod
     def resolve(
@@ -78,6 +87,25 @@ class Settings:
             reduce_dtype=reduce_dtype,
             rotation_moves=rotation_moves,
         )
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How a model was loaded: its settings, grid and plan. What a second load "like it" passes to from_pretrained
+    (TRL's reference model, integrations/trl.py): data handed down with the model, not a function of the layer
+    above."""
+
+    settings: Settings
+    device_mesh: Any
+    """the device_mesh= passed (None: hf_rtp made the mesh)"""
+    rtp_size: int
+    plan: Any
+    """the Plan the model was loaded with, or the string auto"""
+
+    def keywords(self) -> dict[str, Any]:
+        """from_pretrained's keywords for another model like this one: every Settings field a keyword sets."""
+        given = {f.metadata["keyword"]: getattr(self.settings, f.name) for f in fields(Settings) if f.metadata}
+        return {**given, "device_mesh": self.device_mesh, "rtp_size": self.rtp_size, "plan": self.plan}
 
 
 def collective_timeout(value: float | timedelta | None = None) -> timedelta:

@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +30,47 @@ from .conversion import Source
 from .safetensors_io import read_rows
 
 _QUANT_STATE = re.compile(r"\.weight\.quant_state\.bitsandbytes__(nf4|fp4)$")
+
+
+class QuantizedLoad(Protocol):
+    """What a load does for its quantization, whatever it is: the loader (hf_rtp/loader.py) calls these in this
+    order on every load, and a load without quantization is `NOT_QUANTIZED`, which does nothing.
+    bitsandbytes' 4-bit and 8-bit bases are the one implementation (integrations/bitsandbytes.py)."""
+
+    config: Any
+    """what the model's config records as its quantization_config (None: not quantized)"""
+
+    def plan(self, model: Any, resolution: Any, dtype: torch.dtype, rtp_size: int) -> None:
+        """On the empty model, before any read: which modules are quantized (refusing, by name, what cannot be)."""
+
+    def transforms(self, model: Any, wants: dict, entries: dict) -> dict | None:
+        """Reads a file step may fail: name -> what turns a tensor's rows, as read, into this rank's piece; or
+        the reads themselves pointed at a checkpoint's stored quantized tensors (`wants` changed in place)."""
+
+    def finish(self, model: Any, tensors: dict, topology: Any) -> None:
+        """Collective, after the read: what needs every rank's pieces; the empty weights shaped as the pieces."""
+
+    def install(self, model: Any) -> None:
+        """After the rotated modules are installed: the quantized modules swapped in, the model marked as vanilla's."""
+
+
+class _NotQuantized:
+    config = None
+
+    def plan(self, model: Any, resolution: Any, dtype: torch.dtype, rtp_size: int) -> None:
+        pass
+
+    def transforms(self, model: Any, wants: dict, entries: dict) -> dict | None:
+        return None
+
+    def finish(self, model: Any, tensors: dict, topology: Any) -> None:
+        pass
+
+    def install(self, model: Any) -> None:
+        pass
+
+
+NOT_QUANTIZED: QuantizedLoad = _NotQuantized()
 
 
 def stored_specs(chosen: dict[str, Quant4bit | Quant8bit], config, entries: dict) -> dict[str, Quant4bit | Quant8bit]:

@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import log
+from ..checkpoint import quantized as quantized_checkpoint
+from ..checkpoint.quantized import NOT_QUANTIZED, QuantizedLoad
 from ..distributed.blockwise import BLOCK, aligned
 from ..distributed.rotated import RotatedTensor, rotated_scales, whole
 from ..distributed.sharding import chunk_rows
@@ -220,6 +222,76 @@ def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config, s
     model.is_quantized = True
     model.hf_quantizer = AutoHfQuantizer.from_config(config, pre_quantized=stored)
     model.config.quantization_config = config
+
+
+class BitsAndBytesLoad:
+    """checkpoint.quantized.QuantizedLoad for a bitsandbytes 4-bit or 8-bit base: quantized as it is read, or read
+    as vanilla saved it quantized (`stored`, checkpoint/quantized.py reads each rank's rows)."""
+
+    def __init__(self, config, stored: bool):
+        self.config, self.stored = config, stored
+        self.chosen: dict[str, Quant4bit | Quant8bit] = {}
+
+    def plan(self, model: Any, resolution, dtype: torch.dtype, rtp_size: int) -> None:
+        self.chosen = select(model, resolution, self.config, dtype, rtp_size)
+
+    def transforms(self, model: Any, wants: dict, entries: dict) -> dict | None:
+        if not self.stored:
+            return quantizers(self.chosen)
+        self.chosen = quantized_checkpoint.stored_specs(self.chosen, self.config, entries)
+        quantized_checkpoint.read_stored(self.chosen, model, wants, entries)
+        return None
+
+    def finish(self, model: Any, tensors: dict, topology) -> None:
+        if self.chosen:
+            finish(model, self.chosen, tensors, self.config, topology, stored=self.stored)
+
+    def install(self, model: Any) -> None:
+        if self.chosen:
+            swap_modules(model, self.chosen, self.config, stored=self.stored)
+
+
+def quantized_load(config, requested) -> QuantizedLoad:
+    """This load's quantization: the checkpoint's own (saved quantized by bitsandbytes: read as stored; its config
+    wins over `requested`, as transformers' merge_quantization_configs does), else `requested` (from_pretrained's
+    quantization_config, already checked by keywords.py), else none. A checkpoint quantized by any other method is
+    refused by name. Records the config on `config` as vanilla does (it is in the ranks' fingerprint)."""
+    stored = stored_config(config)
+    if stored is None:
+        _refuse_quantized(config)
+    elif requested is not None:
+        log.warning(  # vanilla's merge_quantization_configs: the checkpoint's own config wins
+            "this checkpoint is already quantized by bitsandbytes: its own quantization_config is used, the one "
+            "passed to from_pretrained is ignored (as transformers does)"
+        )
+    quantization = stored or requested
+    if quantization is None:
+        return NOT_QUANTIZED
+    config.quantization_config = quantization
+    return BitsAndBytesLoad(quantization, stored=stored is not None)
+
+
+def _refuse_quantized(config) -> None:
+    """A checkpoint saved quantized (a `quantization_config` in its config.json: GPTQ, AWQ, FP8, bitsandbytes,
+    ...) holds packed integers or scaled floats that mean nothing without the method's scales and kernels.
+    Read as plain weights they would load without an error (an FP8 checkpoint did, its scales ignored): a
+    silently different model. hf_rtp reads bitsandbytes' own 4-bit and 8-bit checkpoints as stored
+    and refuses every other method by name."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    raise CheckpointError(
+        f"this checkpoint is quantized (its config has a quantization_config, quant_method={str(method)!r}): its "
+        "weights need that method's scales and kernels, and hf_rtp reads only bitsandbytes' own 4-bit and 8-bit "
+        "checkpoints, so it will not read them as plain weights. Load an unquantized (bfloat16 or float32) "
+        "checkpoint of the model, with quantization_config=BitsAndBytesConfig(load_in_4bit=True) (or "
+        "load_in_8bit=True) for a quantized base"
+    )
 
 
 # checkpoints saved quantized by vanilla (save_pretrained of a 4-bit or 8-bit model): read as stored

@@ -27,6 +27,9 @@ import inspect
 import os
 import sys
 import types
+from collections.abc import Callable
+
+from torch import nn
 
 from ..checkpoint.load import load_into
 from ..checkpoint.resume import load_training_state, save_training_state
@@ -63,18 +66,19 @@ _CALLERS = (
 _REFUSED_OPTIMIZERS = ("adafactor",)
 
 
-def attach_trainer(trainer):
+def attach_trainer(trainer, load: Callable[..., nn.Module]):
     """Make `trainer` save, resume and load its rotated model collectively and data-parallel correctly.
 
     Automatic when Trainer.__init__ moves the model to its device; call it yourself right after building a
     Trainer that does not (place_model_on_device=False, bf16_full_eval=True, fp16_full_eval=True). Raises
     IntegrationError when the installed transformers declares the replaced methods differently from the
-    tested versions. Returns `trainer`.
+    tested versions. Returns `trainer`. `load` is hf_rtp.from_pretrained, handed down by the layer that defines
+    it: TRL's reference model is loaded with it, like the policy (integrations/trl.py).
     """
-    return _attach(trainer, getattr(trainer, "model", None))
+    return _attach(trainer, getattr(trainer, "model", None), load)
 
 
-def _attach(trainer, model):
+def _attach(trainer, model, load: Callable[..., nn.Module]):
     """attach_trainer, for `model`: while Trainer.__init__ moves it, `trainer.model` is not set yet."""
     if trainer.__dict__.get(_ATTACHED):
         return trainer
@@ -101,7 +105,7 @@ def _attach(trainer, model):
     _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))
-    trl.adopt(trainer, rotated_module(model))  # SFTTrainer's fused LM head, installed after this __init__ step
+    trl.adopt(trainer, load, rotated_module(model))  # SFTTrainer's fused LM head, installed after this __init__ step
     trl.replace_installed_head(rotated_module(model))  # or installed already, by a Trainer attached late
     trainer.__dict__[_ATTACHED] = True
     return trainer
@@ -122,15 +126,15 @@ def _check_versions(cls) -> None:
         )
 
 
-def adopt_caller(model) -> None:
+def adopt_caller(model, load: Callable[..., nn.Module]) -> None:
     """Attach to the Trainer whose `_move_model_to_device` is moving `model`, if one is (the automatic path:
     every Trainer that places its model does it in __init__, before TRL installs its fused head)."""
     trainer = _trainer_in_stack(("_move_model_to_device",), depth=32)
     if trainer is not None:
-        _attach(trainer, model)
+        _attach(trainer, model, load)
 
 
-def check_attached() -> None:
+def check_attached(load: Callable[..., nn.Module]) -> None:
     """At a forward: a Trainer calling it that was never attached (it did not place the model in __init__)
     is attached now, before it can save or resume; it is never left to save rank 0's rows."""
     trainer = _trainer_in_stack(_CALLERS, depth=40)
@@ -139,7 +143,7 @@ def check_attached() -> None:
             f"{type(trainer).__name__} was not attached to hf_rtp when it was built (it did not move the model "
             "to its device); attaching it at its first forward. Call hf_rtp.attach_trainer(trainer) after building it"
         )
-        attach_trainer(trainer)
+        attach_trainer(trainer, load)
 
 
 def refuse_unattached_save(world_size: int) -> None:

@@ -31,6 +31,7 @@ import functools
 import inspect
 import sys
 import types
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -57,9 +58,10 @@ _PARAMETERS = {  # the TRL 1.16 signatures of what hf_rtp stands in for
 }
 
 
-def adopt(trainer, model=None) -> None:
+def adopt(trainer, load: Callable[..., nn.Module], model=None) -> None:
     """Route `add_fused_lm_head` and `create_model_from_path` of every TRL module in `trainer`'s class
-    hierarchy through hf_rtp; first, refuse a rotated `model` other than the one the trainer was asked to build."""
+    hierarchy through hf_rtp; first, refuse a rotated `model` other than the one the trainer was asked to build.
+    `load` (hf_rtp.from_pretrained, handed down) loads a reference model like the policy."""
     if model is not None:
         check_model_keywords(trainer, model)
     _refuse_context_parallel_beyond_sft(trainer)
@@ -68,7 +70,7 @@ def adopt(trainer, model=None) -> None:
     modules = [sys.modules.get(cls.__module__) for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")]
     for name, replacement in (
         ("add_fused_lm_head", add_fused_lm_head),
-        ("create_model_from_path", create_model_from_path),
+        ("create_model_from_path", functools.partial(create_model_from_path, load=load)),
     ):
         originals = [getattr(m, name, None) for m in modules]
         if not any(o is not None and not hasattr(o, _ORIGINAL) for o in originals):
@@ -177,15 +179,16 @@ def _described(settings: dict | None) -> str:
     return "{" + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings) + "}"
 
 
-def create_model_from_path(model_id, architecture=None, *, original, **kwargs):
+def create_model_from_path(model_id, architecture=None, *, original, load, **kwargs):
     """TRL's `create_model_from_path`; for the policy's own path under an adopted trainer whose policy is
-    rotated (the reference model), hf_rtp's from_pretrained with the policy's ring and plan."""
+    rotated (the reference model), `load` (hf_rtp's from_pretrained) with the policy's settings, ring and plan
+    (its state's LoadSpec)."""
     trainer = sys._getframe(1).f_locals.get("self")  # the trainer whose __init__ builds the reference
     policy = getattr(trainer, "model", None)
     state = state_of(policy, required=False) if isinstance(policy, nn.Module) else None
     if (
         state is None
-        or state.load_like is None
+        or state.spec is None
         or model_id != getattr(getattr(policy, "config", None), "_name_or_path", None)
     ):
         return original(model_id, architecture, **kwargs)
@@ -198,7 +201,7 @@ def create_model_from_path(model_id, architecture=None, *, original, **kwargs):
         raise IntegrationError("hf_rtp places the reference model itself, one chunk per rank: drop device_map")
     if kwargs.pop("trust_remote_code", False):
         raise IntegrationError("hf_rtp does not load remote code: the reference model must be a transformers class")
-    reference = state.load_like(model_id, auto_class=architecture, **kwargs)
+    reference = load(model_id, auto_class=architecture, **{**state.spec.keywords(), **kwargs})
     log.info(
         f"{type(trainer).__name__}'s reference model is rotated like the policy: "
         f"{_bytes_here(reference) / 2**20:.1f} MB of weights on this rank"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -11,6 +10,7 @@ from torch import nn
 from ..distributed.topology import Topology
 from ..errors import HfRtpError
 from ..plans import Plan, Resolution
+from ..settings import LoadSpec
 
 ATTRIBUTE = "_hf_rtp_state"
 
@@ -23,9 +23,9 @@ class RTPState:
     sources: dict = field(default_factory=dict)
     """parameter name -> the stored tensors it was read from (checkpoint.conversion.Source), so that
     saving writes those names back"""
-    load_like: Callable[..., nn.Module] | None = None
-    """hf_rtp.from_pretrained with this model's settings (ring, plan, device, timeouts): how integrations
-    load a model a library would otherwise build whole beside this one (TRL's reference model)"""
+    spec: LoadSpec | None = None
+    """how this model was loaded (settings, grid, plan): what loading another model like it passes to
+    from_pretrained (TRL's reference model, integrations/trl.py)"""
 
 
 def rotated_module(model: nn.Module) -> nn.Module | None:
