@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import RotatedStateError
-from ..private.torch_names import local_tensor
+from ..private.torch_names import local_tensor, op_schema
 from .sharding import chunk_rows
 
 BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state (Optimizer1State/Optimizer2State.init_state)
@@ -77,10 +77,11 @@ def zero_scales(param: DTensor, block: int = BLOCK) -> DTensor:
 def step_rows(func, args: tuple, kwargs: dict) -> None:
     """Run one of bitsandbytes' update ops (STEPPED) on this rank's rows: the parameter, its gradient and
     state as local tensors, the scales as this rank's blocks. Anything else is refused by name."""
-    op = func._schema.name.split("::")[-1]
+    schema = op_schema(func)
+    op = schema.name.split("::")[-1]
     if op not in STEPPED:
         raise RotatedStateError(_REFUSED.format(op=op, why="hf_rtp does not run this op on rows"))
-    names = [a.name for a in func._schema.arguments]
+    names = [a.name for a in schema.arguments]
     bound = dict(zip(names[: len(args)], args, strict=True))
     bound.update(kwargs)
     if bound.get("max_unorm", 0.0) > 0.0:

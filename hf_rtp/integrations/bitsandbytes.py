@@ -15,7 +15,6 @@ rank ever holds a whole weight, or all of its own rows unquantized.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any, cast
 
 import torch
@@ -41,6 +40,7 @@ from ..layers.linear4bit import (
     quantize_rows,
 )
 from ..layers.linear8bit import SCALE_BYTES, Quant8bit, RotatedLinear8bit, quantize_rows8
+from ..private import bitsandbytes_names
 from ..private.transformers_names import keep_in_fp32_modules
 
 SUPPORTED = (
@@ -336,8 +336,7 @@ def step_on_rows() -> None:
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    module = sys.modules.get("bitsandbytes.optim.optimizer")
-    if module is None or not isinstance(optimizer, module.Optimizer8bit):
+    if not bitsandbytes_names.is_optimizer(optimizer):
         return
     fresh = [
         (gindex, pindex, group, p)
@@ -347,22 +346,23 @@ def _before_step(optimizer, args, kwargs) -> None:
     ]
     if not fresh:
         return
-    if not optimizer.initialized:
-        optimizer.check_overrides()  # bitsandbytes' first step does it before init_state: module overrides
+    bitsandbytes_names.apply_overrides(optimizer)  # as its first step does before init_state: module overrides
     for gindex, pindex, group, _ in fresh:  # before any state exists or any row has stepped
-        if optimizer.get_config(gindex, pindex, group)["max_unorm"] > 0.0:
+        if bitsandbytes_names.max_unorm(optimizer, gindex, pindex, group) > 0.0:
             raise RotatedStateError(
                 f"{type(optimizer).__name__} bounds each update by the whole parameter's norm (max_unorm, as LAMB "
                 "and LARS do), which no rank can compute from its rows alone. Use bitsandbytes' AdamW8bit, Adam8bit, "
                 "Lion8bit (or their 32-bit and paged forms), or torch.optim.AdamW, with a rotated model"
             )
-    paged, optimizer.is_paged = optimizer.is_paged, optimizer.is_paged and fresh[0][3].device.type == "cpu"
-    if paged and not optimizer.is_paged:  # its paged buffers take the whole shape; on CPU it does not page
+    paged = bitsandbytes_names.paged(optimizer)
+    kept = paged and fresh[0][3].device.type == "cpu"
+    bitsandbytes_names.set_paged(optimizer, kept)
+    if paged and not kept:  # its paged buffers take the whole shape; on CPU it does not page
         log.warning(_PAGED)
     try:
         unaligned = [p for gindex, pindex, group, p in fresh if not _init_rows(optimizer, group, p, gindex, pindex)]
     finally:
-        optimizer.is_paged = paged
+        bitsandbytes_names.set_paged(optimizer, paged)
     if unaligned:
         shapes = ", ".join(str(tuple(p.shape)) for p in unaligned[:5]) + (", ..." if len(unaligned) > 5 else "")
         world = unaligned[0].device_mesh.size()
@@ -372,18 +372,18 @@ def _before_step(optimizer, args, kwargs) -> None:
 def _init_rows(optimizer, group: dict, p: DTensor, gindex: int, pindex: int) -> bool:
     """bitsandbytes' own init (8-bit or not by the global size), its block scales made this rank's; False when
     the rows do not align and the state became float32 instead."""
-    optimizer.init_state(group, p, gindex, pindex)
+    bitsandbytes_names.first_state(optimizer, group, p, gindex, pindex)
     state = optimizer.state[p]
-    if state["state1"].dtype != torch.uint8:
+    if state[bitsandbytes_names.MOMENTS[0]].dtype != torch.uint8:
         return True
     if aligned(p.shape, p.device_mesh.size()):
-        for key in ("absmax1", "absmax2"):
+        for key in bitsandbytes_names.SCALES:
             if key in state:
                 state[key] = rotated_scales(p)
         return True
-    for key in ("state1", "state2"):
+    for key in bitsandbytes_names.MOMENTS:
         if key in state:
             state[key] = torch.zeros_like(p, dtype=torch.float32)
-    for key in ("qmap1", "qmap2", "absmax1", "absmax2"):
+    for key in bitsandbytes_names.CODE_MAPS + bitsandbytes_names.SCALES:
         state.pop(key, None)
     return False

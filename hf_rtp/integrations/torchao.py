@@ -22,9 +22,7 @@ torchao's constants. torchao's 4-bit and FP8 states, and its other optimizers, a
 
 from __future__ import annotations
 
-import sys
 import weakref
-from collections import OrderedDict
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,7 +32,8 @@ from .. import log
 from ..distributed.blockwise import aligned
 from ..distributed.rotated import RotatedTensor, rotated_scales
 from ..errors import RotatedStateError
-from ..private.torch_names import local_tensor
+from ..private import torchao_names
+from ..private.torch_names import clear_step_hooks, local_tensor
 
 STEPPED = ("AdamW8bit", "Adam8bit")
 QUANTIZED_FROM = 4096  # torchao's _AdamBase._new_buffer: 8-bit state from this many elements (as bitsandbytes)
@@ -90,7 +89,7 @@ def _before_step(optimizer, args, kwargs) -> None:
     if unaligned:
         shapes = ", ".join(str(tuple(p.shape)) for p in unaligned[:5]) + (", ..." if len(unaligned) > 5 else "")
         log.warning(
-            _UNALIGNED.format(block=optimizer.block_size, world=unaligned[0].device_mesh.size(),
+            _UNALIGNED.format(block=torchao_names.scale_block(optimizer), world=unaligned[0].device_mesh.size(),
                               count=len(unaligned), shapes=shapes)
         )  # fmt: skip
     _step_rows(optimizer, rotated)
@@ -106,10 +105,10 @@ def _after_step(optimizer, args, kwargs) -> None:
 
 def _check_supported(optimizer) -> None:
     name = type(optimizer).__name__
-    adam = sys.modules.get("torchao.optim.adam")
-    if adam is None or not isinstance(optimizer, tuple(getattr(adam, n) for n in STEPPED)):
+    stepped = torchao_names.stepped_classes(STEPPED)
+    if stepped is None or not isinstance(optimizer, stepped):
         raise RotatedStateError(_REFUSED.format(name=name, why=f"{name} (4-bit or FP8 state, or another class)"))
-    if getattr(optimizer, "bf16_stochastic_round", False):
+    if torchao_names.stochastic_rounding(optimizer):
         raise RotatedStateError(
             _REFUSED.format(
                 name=name,
@@ -122,7 +121,7 @@ def _check_supported(optimizer) -> None:
 def _init_rows(optimizer, group: dict, p: DTensor) -> bool:
     """A rotated parameter's first state, decided by the whole tensor as vanilla torchao decides it; False where
     it would be 8-bit but the rows do not align, and is unquantized instead."""
-    block, whole = optimizer.block_size, p.numel()  # a DTensor's numel is the whole tensor's
+    block, whole = torchao_names.scale_block(optimizer), p.numel()  # a DTensor's numel is the whole tensor's
     quantized = whole >= QUANTIZED_FROM and whole % block == 0
     rows = quantized and aligned(p.shape, p.device_mesh.size(), block)
     state = optimizer.state[p]
@@ -139,13 +138,12 @@ def _init_rows(optimizer, group: dict, p: DTensor) -> bool:
 def _step_rows(optimizer, rotated: list) -> None:
     """The optimizer's own step, on a shallow copy holding this rank's rows as plain tensors and their state as
     torchao's 8-bit tensors over hf_rtp's codes and scales (updated in place)."""
-    from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
-
     shadow = object.__new__(type(optimizer))  # not copy.copy: Optimizer.__getstate__ keeps only its own fields
     shadow.__dict__.update(optimizer.__dict__)
-    shadow._optimizer_step_pre_hooks, shadow._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+    clear_step_hooks(shadow)
     shadow.state, shadow.param_groups = {}, []
     maps: dict = {}
+    block = torchao_names.scale_block(optimizer)
     for group in optimizer.param_groups:
         rows = []
         for p in (p for g, p in rotated if g is group):
@@ -166,10 +164,10 @@ def _step_rows(optimizer, rotated: list) -> None:
                 if codes.dtype != torch.uint8:  # torch's Optimizer.load_state_dict casts state to the weights' dtype
                     raise RotatedStateError(_CAST.format(name=type(optimizer).__name__, key=key, dtype=codes.dtype))
                 if signed not in maps:  # as OptimState8bit.zeros makes them
-                    values = get_qmap_signed() if signed else get_qmap_unsigned()
+                    values = torchao_names.code_map(signed)
                     maps[signed] = torch.tensor(values, dtype=torch.float32, device=codes.device)
-                scale = local_tensor(state[f"{key}_scale"]).view(-1)[: codes.numel() // optimizer.block_size]
-                working[key] = OptimState8bit(codes, scale, maps[signed], signed, dtype=p.dtype)
+                scale = local_tensor(state[f"{key}_scale"]).view(-1)[: codes.numel() // block]
+                working[key] = torchao_names.state_8bit(codes, scale, maps[signed], signed, dtype=p.dtype)
             shadow.state[view] = working
             rows.append(view)
         shadow.param_groups.append({**group, "params": rows})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -70,3 +71,18 @@ amp_unscale = _get(torch.ops.aten, "_amp_foreach_non_finite_check_and_unscale_")
 # (layers/attention.py); F.scaled_dot_product_attention returns the output alone
 flash_attention_cpu = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu").default
 flash_attention_cpu_backward = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward").default
+
+
+def clear_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give `optimizer` no step pre- or post-hooks of its own (torch's global ones are apart): integrations/torchao.py
+    steps a shallow copy of an optimizer without them, since they run once, around the real step. The copy gets
+    new dicts; the original's are untouched."""
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        _get(optimizer, name)
+        setattr(optimizer, name, OrderedDict())
+
+
+def op_schema(func: Any) -> Any:
+    """An op overload's schema (torch._C.FunctionSchema): its qualified name and its arguments' names, which
+    distributed/blockwise.py binds a bitsandbytes update op's arguments by."""
+    return _get(func, "_schema")
