@@ -8,8 +8,10 @@ class HfRtpError(RuntimeError):
     """Base class of hf_rtp's errors."""
 
 
-class CheckpointError(HfRtpError, ValueError):
-    """A checkpoint is missing, unreadable, or disagrees with its config."""
+class CheckpointError(HfRtpError, ValueError, OSError):
+    """A checkpoint is missing, unreadable, or disagrees with its config. An OSError too, as transformers'
+    from_pretrained raises for a path that does not exist or a folder without its config or weights, so
+    `except OSError` keeps working (and `except ValueError`, for the folder AutoModel finds no config in)."""
 
 
 class PlanError(HfRtpError, ValueError):
