@@ -330,17 +330,31 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hf-rtp estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`hf-rtp estimate`'s options, added to `p` (the `hf-rtp` command's subparser, or parser()'s). This module
+    imports nothing beyond what `import hf_rtp` has imported already, so `hf-rtp estimate --help` costs no
+    more (tests/unit/test_public_surface.py)."""
     p.add_argument("model", help="a checkpoint folder, config.json, Hub id (config only) or bench preset")
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True, help="the ranks to estimate for")
     p.add_argument(
         "--rtp-size",
         type=int,
         help="ranks per RTP ring (default: the world size); also estimates HSDP sharding over as many ranks",
     )
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--dtype", default="float32", help="the weights' dtype, as torch names it (default float32)")
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZER_STATES),
+        default="adamw",
+        help="the optimizer whose state counts: adamw and adam keep 2 tensors per parameter, sgd-momentum 1, "
+        "sgd none (default adamw)",
+    )
     p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
     p.add_argument(
         "--autocast",
@@ -358,7 +372,6 @@ def parser() -> argparse.ArgumentParser:
         help="QLoRA: a frozen NF4 base (double quantization), LoRA on every linear layer, AdamW on the adapters",
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA's r, with --load-in-4bit")
-    return p
 
 
 def main(argv=None) -> dict[str, float]:
