@@ -83,7 +83,7 @@ HONOURED = (
     "variant",
     "generation_config",
     "quantization_config",  # bitsandbytes 4/8-bit (integrations/bitsandbytes.py); others refused by name
-    "trust_remote_code",  # a built-in architecture loads as in vanilla; refused where remote code would run (api.py)
+    "trust_remote_code",  # a built-in architecture loads as in vanilla; refused where remote code would run (loader.py)
     "device_mesh",  # hf_rtp's own: the ranks to rotate on (transformers': its tensor-parallel mesh)
     "attn_implementation",  # config overrides, passed on to the config as vanilla does
     "experts_implementation",

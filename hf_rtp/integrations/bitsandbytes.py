@@ -204,7 +204,7 @@ def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config, s
 
     `quantization_method` is left unset: Trainer would then not move the model to its device in __init__,
     which is where hf_rtp attaches to it (integrations/trainer.py); vanilla skips that move because bitsandbytes'
-    parameters cannot move, hf_rtp's rows can. `model.dequantize()` is refused by name (api.bind)."""
+    parameters cannot move, hf_rtp's rows can. `model.dequantize()` is refused by name (binding.bind)."""
     from transformers.quantizers import AutoHfQuantizer
 
     for name, spec in chosen.items():

@@ -25,7 +25,7 @@ class _RotatedNames:
         self.module, self.on_read = module, on_read
 
     def __iter__(self):
-        if self.on_read is not None:  # who is wrapping the model (api.bind: a plain Accelerator's prepare)
+        if self.on_read is not None:  # who is wrapping the model (binding.bind: a plain Accelerator's prepare)
             self.on_read()
         names = [n for n, p in self.module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
         return iter([prefix + name for prefix in self.PREFIXES for name in names])

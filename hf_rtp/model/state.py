@@ -1,4 +1,4 @@
-"""The one object a rotated model carries, and `state_of` to read it. A leaf: api.bind attaches it."""
+"""The one object a rotated model carries, and `state_of` to read it. A leaf: binding.bind attaches it."""
 
 from __future__ import annotations
 
