@@ -8,7 +8,6 @@ from .api import (
     attach_trainer,
     from_pretrained,
 )
-from .checkpoint.resume import load_training_state, save_training_state
 from .distributed.rotated import local_rows
 from .errors import (
     CheckpointError,
@@ -30,6 +29,7 @@ from .model.state import is_rotated, state_of
 from .model.whole import whole_model
 from .plans import Plan, register
 from .settings import collective_timeout
+from .state import load_training_state, save_training_state
 from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
 __all__ = [

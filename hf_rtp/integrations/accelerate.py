@@ -27,7 +27,6 @@ import torch
 from accelerate.utils import InitProcessGroupKwargs
 
 from .. import log
-from ..checkpoint.resume import load_training_state, save_training_state
 from ..errors import IntegrationError, SettingError, TopologyError
 from ..model.context import check_cp_size, sharded
 from ..model.state import is_rotated, rotated_module, state_of
@@ -39,6 +38,7 @@ from ..private.accelerate_names import (
     state_exists,
 )
 from ..settings import collective_timeout
+from ..state import load_training_state, save_training_state
 
 STATE_DIR = "hf_rtp_state_{}"
 

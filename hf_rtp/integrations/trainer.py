@@ -32,12 +32,12 @@ from collections.abc import Callable
 from torch import nn
 
 from ..checkpoint.load import load_into
-from ..checkpoint.resume import load_training_state, save_training_state
 from ..distributed.rotated import COMPILE_REFUSED
 from ..errors import IntegrationError, RotatedStateError
 from ..log import warning
 from ..model.state import rotated_module, state_of
 from ..private.transformers_names import TESTED, check_trainer_methods_version
+from ..state import load_training_state, save_training_state
 from . import trl
 from .accelerate import check_processes
 from .peft import adapter_state_dict
