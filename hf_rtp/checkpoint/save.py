@@ -145,9 +145,10 @@ def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max
     attempts = Attempts()
     attempt = attempts.attempt
 
+    target = commit.FilesInFolder(save_directory, filenames)  # folders/storage.py's steps, on the writer
     if writer_rank:
-        lock = attempt(_lock, save_directory)
-        staging = attempt(_prepare_staging, save_directory)
+        lock = attempt(target.lock)
+        staging = attempt(target.stage)
     bar = progress(None, desc="Saving model", total=len(names))
     try:
         for shard, filename in zip(shards, filenames, strict=True):
@@ -169,39 +170,18 @@ def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max
             attempt(_write_metadata, model, staging, shards, filenames, sizes)
             if attempts.error is None:
                 written = sorted(n for n in os.listdir(staging) if commit.own_name(n))
-            attempt(commit.commit, staging, save_directory, filenames)
+            attempt(target.commit, staging)
             if attempts.error is None:
                 info(f"Model weights saved in {save_directory}")
     finally:
         bar.close()
-        # a staging folder a journal names holds part of the new checkpoint: the next load finishes it
-        if (
-            staging is not None
-            and os.path.isdir(staging)
-            and not os.path.lexists(os.path.join(save_directory, commit.JOURNAL))
-        ):
-            commit.remove_staging(staging)
+        if staging is not None:
+            target.abandon(staging)  # unless its commit began: the next load or save finishes that
         if lock is not None:
             lock.release()
     with agreed(topology.control, CheckpointError):
         attempts.raise_first()
     return written
-
-
-def _lock(directory: str):
-    os.makedirs(directory, exist_ok=True)
-    return commit.lock(directory).acquire()
-
-
-def _prepare_staging(directory: str) -> str:
-    """Under the folder's lock: finish a commit a crash interrupted (it holds the newest complete
-    checkpoint), refuse to save over a journal that cannot be proven hf_rtp's, and remove staging
-    folders of saves killed before their commit (the old checkpoint stands)."""
-    commit.finish_interrupted(directory)
-    for stale in os.listdir(directory):
-        if stale.startswith(commit.STAGING_PREFIX):
-            commit.remove_staging(os.path.join(directory, stale))
-    return commit.new_staging(directory)
 
 
 def _write_metadata(model, staging: str, shards, filenames, sizes) -> None:

@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -151,6 +152,39 @@ def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[s
     }
 
 
+class FilesInFolder:
+    """storage.Storage for save_pretrained: a checkpoint's files committed among the user's own (the journaled
+    commit above), `filenames` being the weight files the save writes (one, or the shards of an index)."""
+
+    def __init__(self, directory: str, filenames: Sequence[str] = ()):
+        self.directory, self.filenames = directory, list(filenames)
+
+    def lock(self) -> FolderLock:
+        os.makedirs(self.directory, exist_ok=True)
+        return lock(self.directory).acquire()
+
+    def stage(self) -> str:
+        """Finish a commit a crash interrupted (it holds the newest complete checkpoint), refuse to save over a
+        journal that cannot be proven hf_rtp's, and remove staging folders of saves killed before their commit
+        (the old checkpoint stands)."""
+        finish_interrupted(self.directory)
+        for stale in os.listdir(self.directory):
+            if stale.startswith(STAGING_PREFIX):
+                remove_staging(os.path.join(self.directory, stale))
+        return new_staging(self.directory)
+
+    def commit(self, staging: str) -> None:
+        commit(staging, self.directory, self.filenames)
+
+    def abandon(self, staging: str) -> None:
+        # a staging folder a journal names holds part of the new checkpoint: the next load or save finishes it
+        if os.path.isdir(staging) and not os.path.lexists(os.path.join(self.directory, JOURNAL)):
+            remove_staging(staging)
+
+    def recover(self) -> None:
+        recover(self.directory)
+
+
 def recover_before_reading(directory: str, group=None) -> None:
     """The load's recovery step, collective (from_pretrained and Trainer's best-model load call it by name, before
     any rank reads `directory`): global rank 0 finishes a save_pretrained a crash interrupted there (`recover`),
@@ -158,7 +192,7 @@ def recover_before_reading(directory: str, group=None) -> None:
     folder's lock before it stages (`finish_interrupted`). Every rank raises if rank 0 failed."""
     with agreed(group, CheckpointError):
         if not dist.is_initialized() or dist.get_rank() == 0:
-            recover(directory)
+            FilesInFolder(directory).recover()
 
 
 def recover(directory: str) -> None:

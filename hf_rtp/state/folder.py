@@ -25,32 +25,44 @@ def normalised(directory) -> str:
     return path
 
 
-def lock(directory: str) -> FolderLock:
-    """The save's lock beside `directory` (its parent made first), held until the save releases it."""
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
-    return FolderLock(directory + ".lock", directory).acquire()
+class StateFolder:
+    """folders.storage.Storage for a training state: a folder of its own, written whole as `<directory>.partial`
+    and swapped in (folders/atomic.py). `directory` is normalised: the partial's path is known on every rank,
+    which all write their files into it."""
 
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.partial = f"{directory}.partial"
 
-def start_partial(directory: str, partial: str) -> None:
-    """Under the lock: the target checked, a swap a crash interrupted finished, and `partial` made, marked as
-    this save's own."""
-    check_target(directory)
-    recover_folder(directory, is_complete, own_names, clean=True)
-    if os.path.lexists(partial):
-        raise CheckpointError(f"{partial} is in the way of this save and was not written by hf_rtp: move it away")
-    os.mkdir(partial)
-    write_json(os.path.join(partial, MARKER), {"hf_rtp_state": True})
+    def lock(self) -> FolderLock:
+        """Beside `directory` (its parent made first)."""
+        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
+        return FolderLock(self.directory + ".lock", self.directory).acquire()
 
+    def stage(self) -> str:
+        """The target checked, a swap a crash interrupted finished, and the partial made, marked as this save's."""
+        check_target(self.directory)
+        recover_folder(self.directory, is_complete, own_names, clean=True)
+        if os.path.lexists(self.partial):
+            raise CheckpointError(
+                f"{self.partial} is in the way of this save and was not written by hf_rtp: move it away"
+            )
+        os.mkdir(self.partial)
+        write_json(os.path.join(self.partial, MARKER), {"hf_rtp_state": True})
+        return self.partial
 
-def swap_in(partial: str, directory: str) -> None:
-    replace_folder(partial, directory, own_names)
+    def commit(self, staging: str) -> None:
+        replace_folder(staging, self.directory, own_names)
 
+    def abandon(self, staging: str) -> None:
+        pass  # a partial a failed save left carries its marker: the next save's `stage` removes it
 
-def recover_interrupted(directory: str) -> None:
-    """A swap a crash interrupted: put the newer complete folder in place (nothing else is touched)."""
-    if not os.path.lexists(directory) and any(os.path.lexists(directory + s) for s in (".partial", ".old")):
-        with FolderLock(directory + ".lock", directory):
-            recover_folder(directory, is_complete, own_names, clean=False)
+    def recover(self) -> None:
+        """A swap a crash interrupted: the newer complete folder put in place (nothing else is touched)."""
+        directory = self.directory
+        if not os.path.lexists(directory) and any(os.path.lexists(directory + s) for s in (".partial", ".old")):
+            with FolderLock(directory + ".lock", directory):
+                recover_folder(directory, is_complete, own_names, clean=False)
 
 
 def check_target(directory: str) -> None:

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from ..distributed.agreement import agreed
 from ..errors import CheckpointError
 from .dcp_io import control_group, keep_loaded_dtypes, named_waits, read_tensors, tensors
-from .folder import normalised, recover_interrupted
+from .folder import StateFolder, normalised
 from .metadata import read_state
 from .rng import restore_rng
 from .tensor_json import from_json
@@ -29,7 +29,7 @@ def load_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     group, rank = control_group(model), dist.get_rank() if dist.is_initialized() else 0
     with agreed(group, CheckpointError):
         if rank == 0:
-            recover_interrupted(directory)
+            StateFolder(directory).recover()  # a swap a crash interrupted, finished: the load's recovery step
     model_sd, optim_sd, flat = tensors(model, optimizer)
     with agreed(group, CheckpointError):
         state = read_state(directory)

@@ -14,7 +14,7 @@ from ..distributed.agreement import agreed
 from ..errors import CheckpointError, KeywordError
 from ..folders.ownership import FolderLock
 from .dcp_io import control_group, named_waits, scalars, tensors, write_tensors
-from .folder import lock, normalised, start_partial, swap_in
+from .folder import StateFolder, normalised
 from .metadata import Identity, TrainingStateMetadata, write_state
 from .rng import gather_rng
 from .tensor_json import to_json
@@ -30,16 +30,17 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
     folders/atomic.py). A crash at any point leaves the previous checkpoint loadable. `extra` must be
     JSON: it is kept apart from hf_rtp's own records, and load_training_state returns it as it was given.
     """
-    directory = normalised(directory)
+    target = StateFolder(normalised(directory))  # folders/storage.py's steps, on rank 0
+    directory, partial = target.directory, target.partial
     rank = dist.get_rank() if dist.is_initialized() else 0
-    partial, group = f"{directory}.partial", control_group(model)
+    group = control_group(model)
     held: FolderLock | None = None
     try:
         with agreed(group, CheckpointError):
             if rank == 0:
                 _check_extra(extra)
-                held = lock(directory)
-                start_partial(directory, partial)
+                held = target.lock()
+                target.stage()
         _, optim_sd, flat = tensors(model, optimizer)
         with named_waits("save_training_state", directory):
             write_tensors(flat, partial, group)
@@ -59,7 +60,7 @@ def save_training_state(directory: str, model: nn.Module, optimizer, scheduler=N
                     extra=dict(extra or {}),
                 )
                 write_state(partial, state)
-                swap_in(partial, directory)
+                target.commit(partial)
     finally:
         if held is not None:
             held.release()
