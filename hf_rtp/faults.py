@@ -61,7 +61,7 @@ def check() -> None:
 def point(name: str) -> None:
     spec = os.environ.get("HF_RTP_FAULT")
     if not spec:
-        _hits.clear()  # a process that sets the same fault again later counts from zero again
+        _hits.clear()  # the same fault set again later counts from zero, once a point was reached while unset
         return
     assert name in POINTS, name
     action, where, rank, nth = parse(spec)
