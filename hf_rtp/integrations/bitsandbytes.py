@@ -55,7 +55,8 @@ def checked_config(quantization_config: Any):
     from transformers import BitsAndBytesConfig
 
     if isinstance(quantization_config, dict):
-        named = str(quantization_config.get("quant_method", "bitsandbytes"))
+        named = quantization_config.get("quant_method", "bitsandbytes")
+        named = str(getattr(named, "value", named))  # BitsAndBytesConfig.to_dict() keeps the QuantizationMethod enum
         if named != "bitsandbytes":
             raise KeywordError(f"hf_rtp.from_pretrained does not take quantization_config with quant_method={named!r}: "
                             f"{SUPPORTED}")  # fmt: skip
@@ -285,6 +286,7 @@ def _refuse_quantized(config) -> None:
         if isinstance(quantization, dict)
         else getattr(quantization, "quant_method", None)
     )
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod, by its value
     raise CheckpointError(
         f"this checkpoint is quantized (its config has a quantization_config, quant_method={str(method)!r}): its "
         "weights need that method's scales and kernels, and hf_rtp reads only bitsandbytes' own 4-bit and 8-bit "

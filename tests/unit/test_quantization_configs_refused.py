@@ -52,3 +52,15 @@ def test_4bit_in_one_process_is_refused_pointing_at_transformers(tmp_path):
     ckpt = make_tiny_llama(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, head_dim=16)
     with pytest.raises(TypeError, match=r"ring of one rank.*transformers' from_pretrained"):
         hf_rtp.from_pretrained(ckpt, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_a_bitsandbytes_config_given_as_its_to_dict_is_taken_as_vanilla_takes_it(tmp_path):
+    """BitsAndBytesConfig.to_dict() keeps quant_method as transformers' QuantizationMethod enum; vanilla loads such a
+    dict, and so does hf_rtp: it gets as far as the one-rank refusal that the config object itself meets."""
+    from transformers import BitsAndBytesConfig
+
+    ckpt = make_tiny_llama(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, head_dim=16)
+    as_dict = BitsAndBytesConfig(load_in_4bit=True).to_dict()
+    assert str(as_dict["quant_method"]) != "bitsandbytes"  # the enum, which prints as its name
+    with pytest.raises(TypeError, match=r"ring of one rank.*transformers' from_pretrained"):
+        hf_rtp.from_pretrained(ckpt, quantization_config=as_dict)
