@@ -98,7 +98,16 @@ def test_a_quant_state_whose_type_disagrees_with_its_own_name_is_refused(saved, 
 
 
 @pytest.mark.parametrize(
-    "changes", [{"blocksize": 128}, {"blocksize": "64"}, {"dtype": "float33"}, {"dtype": "Tensor"}, {"dtype": None}]
+    "changes",
+    [
+        {"blocksize": 128},
+        {"blocksize": "64"},
+        {"dtype": "float33"},
+        {"dtype": "Tensor"},
+        {"dtype": None},
+        {"dtype": "int8"},  # a torch dtype, but no float a weight was quantized from: a damaged quant state
+        {"dtype": "bool"},
+    ],
 )
 def test_a_block_size_other_than_64_or_a_dtype_torch_lacks_is_refused(saved, config, tmp_path, changes):
     entries = _damaged(saved, tmp_path, **{STATE: _state(saved, **changes)})
