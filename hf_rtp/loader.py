@@ -189,6 +189,8 @@ def _folder(path, subfolder: str, hub: dict, group) -> tuple[str, str | None]:
     """The folder to read, with vanilla's `subfolder` inside it (config and weights alike), and its commit."""
     path = os.fspath(path)
     if subfolder and os.path.isdir(path):
+        if not os.path.isdir(os.path.join(path, subfolder)):  # not a Hub id to download: vanilla's OSError too
+            raise CheckpointError(f"{path} has no subfolder '{subfolder}' (subfolder=) holding a config.json")
         path = os.path.join(path, subfolder)
     directory, commit = resolve_directory(
         path, hub["revision"], hub["token"], hub["cache_dir"], hub["local_files_only"], group

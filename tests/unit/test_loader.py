@@ -160,6 +160,12 @@ def test_a_subfolder_without_a_config_is_refused(ckpt, tmp_path):
         loader._folder(str(tmp_path / "base"), "sub", HUB, None)
 
 
+def test_a_local_folder_without_the_subfolder_is_refused_naming_it_not_looked_up_on_the_hub(ckpt, tmp_path):
+    base = shutil.copytree(ckpt, tmp_path / "base")
+    with pytest.raises(OSError, match=r"base has no subfolder 'nope'"):  # vanilla's OSError, not a Hub id's error
+        loader._folder(str(base), "nope", HUB, None)
+
+
 def test_a_peft_adapter_beside_the_base_weights_is_refused_not_left_unapplied(ckpt, tmp_path):
     folder = shutil.copytree(ckpt, tmp_path / "with_adapter")
     (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
