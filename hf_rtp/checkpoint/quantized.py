@@ -96,7 +96,7 @@ def stored_specs(chosen: dict[str, Quant4bit | Quant8bit], config, entries: dict
             )
         stored_dtype = getattr(torch, str(state.get("dtype")), None)
         floating = isinstance(stored_dtype, torch.dtype) and stored_dtype.is_floating_point
-        if not floating or state.get("blocksize") != BLOCKSIZE:
+        if not isinstance(stored_dtype, torch.dtype) or not floating or state.get("blocksize") != BLOCKSIZE:
             raise CheckpointError(f"{key}: hf_rtp reads 4-bit weights of blocksize {BLOCKSIZE} quantized from a float "
                                   f"dtype, not {state}")  # fmt: skip
         specs[name] = Quant4bit(config.bnb_4bit_quant_type, BLOCKSIZE, stored_dtype, config.bnb_4bit_compute_dtype)
