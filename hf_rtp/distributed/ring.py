@@ -185,7 +185,7 @@ class Ring:
         self._traffic: Traffic | None = None
         # the last tokens moved, and the other ranks' that arrived with them: an op on the same tokens (k_proj and
         # v_proj after q_proj, up_proj after gate_proj) moves only its outputs
-        self._moved: tuple[Bundle, int, list[Bundle]] | None = None
+        self._moved: tuple[Bundle, tuple, int, list[Bundle]] | None = None
         self.token_walks = 0  # how many ops moved tokens instead of weights: tests and the bench read it
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
         # what hf_rtp/tools/cost.py models
@@ -435,9 +435,11 @@ class Ring:
             compute(tokens, out, rows, held)
             return None
         self.token_walks += 1
-        moved = self._moved
-        if moved is not None and moved[1] == bound and identities(moved[0]) == identities(tokens):
-            self._walk_outputs(moved[2], out, compute, rows, held, tokens, count, bound)
+        moved, ids = self._moved, identities(tokens)
+        # the identities recorded when the tokens moved, not the held tensors' own now: those share the caller's
+        # version counter, so an in-place change since would go unseen
+        if moved is not None and moved[2] == bound and moved[1] == ids:
+            self._walk_outputs(moved[3], out, compute, rows, held, tokens, count, bound)
             return None
         fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
         most = torch.tensor([count], dtype=torch.int64, device=out.device)
@@ -483,7 +485,7 @@ class Ring:
         if largest > bound:
             return largest
         out.add_(acc[:count])
-        self._moved = (tuple(tokens), bound, seen_tokens)  # held: their memory cannot become other tokens
+        self._moved = (tuple(tokens), ids, bound, seen_tokens)  # held: their memory cannot become other tokens
         return None
 
     def _walk_outputs(self, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound) -> None:
