@@ -48,7 +48,10 @@ def whole_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> Pre
     whole.load_state_dict(tensors, strict=False, assign=True)
     whole.tie_weights()
     for name, buffer in model.named_buffers():  # persistent or not (rotary frequencies, Gemma's embed_scale)
-        whole.get_buffer(name).copy_(buffer)
+        # the model's own tensor, copied, not its values into the copy's: those were made in torch's default dtype,
+        # and a float64 model's embed_scale would be rounded to float32
+        owner, _, leaf = name.rpartition(".")
+        setattr(whole.get_submodule(owner), leaf, buffer.detach().clone())
     missing = [n for n, p in whole.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"hf_rtp.whole_model: no weights for {', '.join(missing[:5])}")
