@@ -19,6 +19,12 @@ from transformers import (
     AutoModelForTokenClassification,
     PreTrainedModel,
 )
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM_TYPES,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT_TO_TEXT_TYPES,
+)
 
 from .. import log
 from ..errors import UnsupportedModelError
@@ -53,6 +59,13 @@ def model_class(auto_class, config):
                     f"this checkpoint is a {stored} (config.architectures), not a causal LM: {how}. "
                     f"Supported classes: {supported_names()}"
                 )
+        model_type = getattr(config, "model_type", None)
+        if model_type not in CAUSAL_LM_TYPES and model_type in IMAGE_TEXT_TO_TEXT_TYPES:
+            raise UnsupportedModelError(  # vanilla's AutoModelForCausalLM fails later, naming no class that loads it
+                f"this checkpoint's model_type {model_type!r} has no causal-LM class in transformers: load it with "
+                "hf_rtp.AutoModelForImageTextToText.from_pretrained(...) (the language model rotated, the vision "
+                f"tower whole). Supported classes: {supported_names()}"
+            )
         return AutoModelForCausalLM
     if auto_class not in SUPPORTED:
         raise UnsupportedModelError(

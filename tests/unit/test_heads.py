@@ -60,6 +60,21 @@ def test_a_classifiers_checkpoint_is_refused_as_a_causal_lm_naming_the_class_tha
         assert type(ours.auto_class.from_config(config)) is vanilla_class
 
 
+def test_an_image_text_checkpoint_without_a_causal_lm_class_is_refused_naming_the_class_that_loads_it():
+    from transformers import Qwen2VLConfig
+
+    config = Qwen2VLConfig()
+    with pytest.raises(
+        hf_rtp.UnsupportedModelError,
+        match=r"model_type 'qwen2_vl' has no causal-LM class in transformers: load it with "
+        r"hf_rtp.AutoModelForImageTextToText.from_pretrained\(...\)",
+    ):
+        model_class(None, config)
+    assert model_class(hf_rtp.AutoModelForImageTextToText.auto_class, config) is AutoModelForImageTextToText
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):  # vanilla's, naming no class
+        AutoModelForCausalLM.from_config(config)
+
+
 def test_a_head_hf_rtp_does_not_load_is_refused_by_name():
     config, vanilla_class = _saved_as(AutoModelForQuestionAnswering)
     with pytest.raises(
