@@ -114,7 +114,7 @@ def from_pretrained(
     source = loader.resolve(pretrained_model_name_or_path, options, hub, auto_class, topology)
     auto_class = model_class(auto_class, source.config)  # before any read: a wrong head fails naming the right one
     plan = loader.named_plan(plan, source.config)
-    dtype = loader.find(source, options, options.dtype, topology)
+    dtype = loader.find(source, options, topology)
     loader.agree_on_checkpoint(source, plan, settings, dtype, auto_class, topology)
     model, chosen, resolution = loader.build(auto_class, source, dtype, plan, topology)
     read = loader.read(model, resolution, source, dtype, settings, topology)

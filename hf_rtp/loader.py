@@ -92,11 +92,11 @@ def recover(directory: str, topology: Topology) -> None:
     recover_before_reading(directory, topology.control)
 
 
-def find(source: Source, options: keywords.LoadOptions, dtype: Any, topology: Topology) -> torch.dtype:
-    """Collective: the weight files' tensors (into `source.entries`) and the dtype to load in."""
+def find(source: Source, options: keywords.LoadOptions, topology: Topology) -> torch.dtype:
+    """Collective: the weight files' tensors (into `source.entries`) and the dtype to load in (options.dtype)."""
     with agreed(topology.control, CheckpointError):  # one rank's bad file is everyone's error
         source.entries = find_weights(source.directory, options.variant).tensors()
-    dtype = _resolve_dtype(dtype, source.config, source.entries)
+    dtype = _resolve_dtype(options.dtype, source.config, source.entries)
     source.config.dtype = dtype  # as vanilla records it
     return dtype
 

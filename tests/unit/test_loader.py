@@ -138,7 +138,7 @@ def test_a_dtype_that_is_no_dtype_is_a_setting_error(ckpt, given):
 def test_find_reads_the_headers_and_records_the_dtype_on_the_config_as_vanilla_does(ckpt, one):
     source = loader.resolve(ckpt, _options(), HUB, AutoModelForCausalLM, one)
     assert source.entries == {}
-    assert loader.find(source, _options(), "bfloat16", one) == torch.bfloat16
+    assert loader.find(source, keywords.resolve({}, "bfloat16", None), one) == torch.bfloat16
     assert source.config.dtype == torch.bfloat16
     assert set(source.entries) == set(load_file(os.path.join(ckpt, "model.safetensors")))
 
