@@ -76,7 +76,7 @@ def start(settings: Settings, device_mesh: DeviceMesh | None, rtp_size: int | No
 def resolve(path, options: keywords.LoadOptions, hub: dict, auto_class, topology: Topology) -> Source:
     """Collective: the folder to read (a Hub id downloaded once per node, `hub` holding revision, token, cache_dir
     and local_files_only), a save a crash interrupted there finished (`recover`), the config with the user's
-    overrides, and the load's quantization; then the weight files' tensors, read from their headers."""
+    overrides, and the load's quantization. The weight files' tensors come next (`find`)."""
     directory, commit = _folder(path, options.subfolder, hub, topology.control)
     if commit is None:  # a local folder: one hf_rtp may have been saving into when a crash hit
         recover(directory, topology)
