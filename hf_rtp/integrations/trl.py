@@ -349,8 +349,9 @@ def install(model, outputs: tuple[str, ...], temperature: float = 1.0, cast_lm_h
             extra = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
             return plain_forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
         run = context.active(self)
+        facts = None
         if run is not None:  # SFTTrainer under Trainer's context parallelism: it divides by Trainer's token count
-            context.check(run, {**kwargs, "labels": labels, "shift_labels": shift_labels})
+            facts = context.check(run, {**kwargs, "labels": labels, "shift_labels": shift_labels})
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
@@ -365,7 +366,11 @@ def install(model, outputs: tuple[str, ...], temperature: float = 1.0, cast_lm_h
             labels = shift_labels
         mask, found = per_token(self, hidden, labels.to(hidden.device))
         log_probs = found.pop("log_probs")
-        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        if num_items_in_batch is None:  # the mean over label tokens: the whole sequence's under context parallelism
+            num_items_in_batch = (mask.sum() if facts is None else facts.labels.to(mask.device)).clamp(min=1)
+        loss = -log_probs.sum() / num_items_in_batch
+        if run is not None:  # its loss has the one meaning of a forward in a block (model/context/loss.py)
+            loss = context.sequence_loss(run, loss)
         aux_loss: Any = None  # transformers' load_balancing_loss_func: a tensor, or 0 without router logits
         if kwargs.get("output_router_logits"):
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
