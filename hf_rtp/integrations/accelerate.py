@@ -31,6 +31,7 @@ from ..errors import IntegrationError, SettingError, TopologyError
 from ..model.context import check_cp_size, sharded
 from ..model.state import is_rotated, rotated_module, state_of
 from ..private.accelerate_names import (
+    forget_prepared,
     on_the_ring,
     prepare_context_parallel,
     prepared,
@@ -86,7 +87,7 @@ class Accelerator(accelerate.Accelerator):
     """accelerate's Accelerator for rotated models: their state saved and loaded whole, hf_rtp's timeout on
     accelerate's waits, and `ParallelismConfig(cp_size=N)` as context parallelism on the model's ring (on the
     CPU too, where accelerate refuses any ParallelismConfig): `maybe_context_parallel` cuts the buffers and
-    runs the ring attention (model/context.py), where accelerate's would do nothing for a model not under FSDP2."""
+    runs the ring attention (model/context/), where accelerate's would do nothing for a model not under FSDP2."""
 
     def __init__(self, *args, cpu: bool | None = None, kwargs_handlers=None, parallelism_config=None, **kwargs):
         handlers = list(kwargs_handlers or [])
@@ -125,6 +126,8 @@ class Accelerator(accelerate.Accelerator):
         state = state_of(model, required=False)
         if state is not None:
             check_processes(self.num_processes, state.topology.world_size)
+        if type(self).prepare_model is Accelerator.prepare_model:  # not a subclass's own, which calls this one
+            return _prepare_model(self, model, device_placement, evaluation_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
@@ -205,6 +208,37 @@ def adopt_caller(model) -> None:
             + "; ".join(consequence.get(n, f"{n}: refuses to save rank 0's rows") for n in own)
             + ". Subclass hf_rtp.Accelerator instead to keep your override and run the rotated model's"
         )
+
+
+def adopt_for_trainer(accelerator) -> None:
+    """A Trainer's plain accelerator, when the Trainer is attached, before any `prepare`: an evaluate() before
+    train() prepares the model for evaluation only, wrapping nothing, so `adopt_caller` (at DDP's wrap) has not run.
+    It gets hf_rtp's `maybe_context_parallel` (accelerate's own would run torch's context parallelism on a rotated
+    model) and `prepare_model` (`_prepare_model`: the prepare for training then wraps the model in DDP)."""
+    if accelerator.__dict__.get(_ADOPTED):
+        return
+    for name, replacement in (("maybe_context_parallel", maybe_context_parallel), ("prepare_model", _prepare_model)):
+        if name not in accelerator.__dict__ and getattr(type(accelerator), name) is getattr(
+            accelerate.Accelerator, name
+        ):
+            setattr(accelerator, name, types.MethodType(replacement, accelerator))
+
+
+def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
+    """accelerate's prepare_model, where an evaluation-mode prepare of a rotated model leaves it unmarked. accelerate
+    1.15 marks every prepared model and returns a marked one as it is: after Trainer's evaluate() (evaluation mode,
+    no DDP) its train() would never wrap the model in DDP, and each rank would step the replicated parameters on
+    its own gradients (vanilla models too; for a rotated one hf_rtp's step check refuses it: model/data_parallel.py).
+    The prepare for training then wraps it in DDP, replacing its evaluation-mode entry."""
+    if state_of(model, required=False) is None:
+        return accelerate.Accelerator.prepare_model(self, model, device_placement, evaluation_mode)
+    if not evaluation_mode:
+        models, optimizers = prepared(self)
+        set_prepared(self, [m for m in models if m is not model], optimizers)
+    result = accelerate.Accelerator.prepare_model(self, model, device_placement, evaluation_mode)
+    if evaluation_mode and result is model:
+        forget_prepared(model)
+    return result
 
 
 def _preparing_accelerator(depth: int):

@@ -33,13 +33,14 @@ from torch import nn
 
 from ..checkpoint.load import load_into
 from ..distributed.rotated import COMPILE_REFUSED
-from ..errors import IntegrationError, RotatedStateError
+from ..errors import IntegrationError, RotatedStateError, SettingError
 from ..log import warning
+from ..model import context
 from ..model.state import rotated_module, state_of
 from ..private.transformers_names import TESTED, check_trainer_methods_version
 from ..state import load_training_state, save_training_state
 from . import trl
-from .accelerate import check_processes
+from .accelerate import adopt_for_trainer, check_processes
 from .peft import adapter_state_dict
 
 STATE_DIR = "hf_rtp_state"
@@ -64,6 +65,9 @@ _CALLERS = (
 
 
 _REFUSED_OPTIMIZERS = ("adafactor",)
+# Trainer methods wrapped (the trainer class's own runs inside) on a rotated model whose ring could run context
+# parallelism: the loss convention and what Trainer cannot compute on a rank's chunks
+_CONTEXT_PARALLEL = ("compute_loss", "prediction_step")
 
 
 def attach_trainer(trainer, load: Callable[..., nn.Module]):
@@ -105,6 +109,11 @@ def _attach(trainer, model, load: Callable[..., nn.Module]):
     _check_versions(type(trainer))
     for name in _REPLACED:
         setattr(trainer, name, types.MethodType(globals()[name], trainer))
+    if state_of(model).topology.ring.size > 1:  # context parallelism is possible: Trainer's side of it
+        for name in _CONTEXT_PARALLEL:
+            setattr(trainer, name, types.MethodType(globals()[f"_{name}"], trainer))
+    if getattr(trainer, "accelerator", None) is not None:  # evaluate() before any train() prepares no DDP
+        adopt_for_trainer(trainer.accelerator)
     trl.adopt(trainer, load, rotated_module(model))  # SFTTrainer's fused LM head, installed after this __init__ step
     trl.replace_installed_head(rotated_module(model))  # or installed already, by a Trainer attached late
     trainer.__dict__[_ATTACHED] = True
@@ -236,3 +245,63 @@ def _load_best_model(self) -> None:
     if _is_peft(model):
         return type(self)._load_best_model(self)
     load_into(model, self.state.best_model_checkpoint)
+
+
+def _compute_loss(self, model, inputs, *args, **kwargs):
+    """The trainer class's own compute_loss; inside a context-parallel block, with Trainer's convention for the
+    loss declared to the block, and the options that compute the loss outside the model refused.
+
+    Trainer follows torch's context parallelism: when it passes its count of label tokens (divided by cp_size)
+    it takes each rank's loss as its share and multiplies it by the processes. A forward in hf_rtp's block returns
+    the whole sequence's loss (model/context/loss.py); `context.shares` makes it the ring's mean of the shares for
+    this call, whose gradient is each rank's share's: Trainer's step and logged loss are then vanilla's."""
+    own = type(self).compute_loss
+    run = context.active(rotated_module(model) or model)
+    if run is None:
+        return own(self, model, inputs, *args, **kwargs)
+    _refuse_loss_outside_the_model(self, model)
+    counted = (kwargs["num_items_in_batch"] if "num_items_in_batch" in kwargs else (args[1:2] or [None])[0]) is not None
+    with context.shares(run, counted and bool(getattr(self, "model_accepts_loss_kwargs", False))):
+        return own(self, model, inputs, *args, **kwargs)
+
+
+def _refuse_loss_outside_the_model(self, model) -> None:
+    """Trainer's options that compute the loss from the logits, or change the embeddings' noise by the sequence's
+    length: on a rank's chunks each gives another model than vanilla's, so every rank refuses them at the first
+    forward, before any step (their settings are the same on every rank)."""
+    found = []
+    if getattr(self, "label_smoother", None) is not None:
+        found.append(
+            f"label_smoothing_factor={self.args.label_smoothing_factor} (LabelSmoother shifts the labels "
+            "within a rank's chunks and divides by its own count)"
+        )
+    if getattr(self, "compute_loss_func", None) is not None:
+        found.append("compute_loss_func (it gets this rank's logits, chunks r and 2N-1-r)")
+    if getattr(self.args, "loss_type", "nll") not in ("nll", None):
+        found.append(f"loss_type={self.args.loss_type!r} (TRL computes it from each rank's chunks)")
+    if model.training and getattr(self, "neftune_noise_alpha", None) is not None:
+        found.append(
+            f"neftune_noise_alpha={self.neftune_noise_alpha} (its noise is scaled by the rank's own "
+            "sequence length, sqrt(N) wider than vanilla's)"
+        )
+    if found:
+        raise SettingError(
+            f"{type(self).__name__} under context parallelism does not support " + "; ".join(found) + ". The model's "
+            "loss under context parallelism is the sequence's cross-entropy (model/context/loss.py): drop these "
+            "options, or train without cp_size"
+        )
+
+
+def _prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs):
+    """The trainer class's own prediction_step; under context parallelism, predictions (logits) are refused: each
+    rank holds its chunks' logits, which Trainer would gather from every rank of every ring as if they were
+    whole sequences. The loss alone (evaluate() without compute_metrics) is the sequence's, as vanilla's."""
+    config = getattr(self.accelerator, "parallelism_config", None)
+    if not prediction_loss_only and config is not None and config.cp_enabled:
+        raise SettingError(
+            f"{type(self).__name__} under context parallelism computes the evaluation loss only: its predictions "
+            "would be each rank's chunks of the sequence. Evaluate without compute_metrics (or with "
+            "prediction_loss_only=True); for logits in your own loop, call hf_rtp.context_parallel_unshard inside "
+            "the block"
+        )
+    return type(self).prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs)

@@ -31,6 +31,14 @@ def set_prepared(accelerator: Any, models: list, optimizers: list) -> None:
     accelerator._models, accelerator._optimizers = models, optimizers
 
 
+def forget_prepared(model: Any) -> None:
+    """Clear the mark accelerate's `prepare_model` leaves on a model (`_is_accelerate_prepared`), also after an
+    evaluation-mode prepare that wrapped nothing: marked, a later prepare for training returns it unwrapped."""
+    if "_is_accelerate_prepared" in model.__dict__:
+        lookup(model, "_is_accelerate_prepared", "accelerate", accelerate.__version__, TESTED)
+        del model.__dict__["_is_accelerate_prepared"]
+
+
 def on_the_ring(config: Any) -> Any:
     """A copy of accelerate's ParallelismConfig `config` that accelerate accepts on MULTI_CPU too, for
     hf_rtp.Accelerator only: context parallelism on a rotated model runs on hf_rtp's ring, which needs no
