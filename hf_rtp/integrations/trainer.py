@@ -277,8 +277,6 @@ def _refuse_loss_outside_the_model(self, model) -> None:
         )
     if getattr(self, "compute_loss_func", None) is not None:
         found.append("compute_loss_func (it gets this rank's logits, chunks r and 2N-1-r)")
-    if getattr(self.args, "loss_type", "nll") not in ("nll", None):
-        found.append(f"loss_type={self.args.loss_type!r} (TRL computes it from each rank's chunks)")
     if model.training and getattr(self, "neftune_noise_alpha", None) is not None:
         found.append(
             f"neftune_noise_alpha={self.neftune_noise_alpha} (its noise is scaled by the rank's own "
