@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 from . import faults, keywords, log, plans
-from .checkpoint.files import find_weights, resolve_directory
+from .checkpoint.files import find_weights, require_config, resolve_directory
 from .checkpoint.fingerprint import agree, fingerprint
 from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
@@ -80,6 +80,7 @@ def resolve(path, options: keywords.LoadOptions, hub: dict, auto_class, topology
     directory, commit = _folder(path, options.subfolder, hub, topology.control)
     if commit is None:  # a local folder: one hf_rtp may have been saving into when a crash hit
         recover(directory, topology)
+        require_config(directory)  # after recovery: a first save a crash interrupted may not have moved it in yet
     _refuse_remote_code(directory, options, auto_class)  # before the config is built: that may be remote code too
     config = _config(directory, options)
     quantization = bitsandbytes.quantized_load(config, options.quantization_config)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..distributed.agreement import agreed
 from ..errors import CheckpointError
-from ..folders.commit import INDEX_NAME, SINGLE_NAME
+from ..folders.commit import INDEX_NAME, JOURNAL, SINGLE_NAME
 from ..folders.ownership import read_json
 from .safetensors_io import TensorEntry, read_header
 
@@ -49,19 +49,20 @@ def _read_index(path: str) -> dict[str, str]:
 
 
 def _inside(directory: str, name, index: str) -> str:
-    """The path of a file an index names, which must be a plain file name inside the checkpoint folder.
+    """The path of a file an index names, which must be a plain file name: one name, directly in the checkpoint
+    folder (as vanilla writes an index), never a path.
 
-    An index is data from the Hub: `../x`, `/etc/...` or `/dev/stdin` would make a loader read (or
-    block on) files outside the checkpoint. Hub caches link files to blobs elsewhere, so the name is
+    An index is data from the Hub: `../x`, `/etc/...`, `/dev/stdin` or `sub/x` would make a loader read (or
+    block on) files elsewhere than the checkpoint's own; so any separator (`/`, or `\\` as Windows reads it),
+    `.`, `..`, an empty name or a NUL byte is refused. Hub caches link files to blobs elsewhere, so the name is
     checked, and the file it reaches must be a regular file.
     """
-    parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
-    if not parts or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise CheckpointError(
-            f"{index} names {name!r} as a weight file; an index may only name files inside its own folder. "
-            "The index is damaged or was made to read other files: download or save the checkpoint again"
+            f"{index} names {name!r} as a weight file; an index may only name files inside its own folder, by a plain "
+            "file name. The index is damaged or was made to read other files: download or save the checkpoint again"
         )
-    path = os.path.join(directory, *parts)
+    path = os.path.join(directory, name)
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise CheckpointError(f"{index} names {name!r}, which is not a regular file; refusing to read it")
     return path
@@ -121,14 +122,10 @@ def resolve_directory(
                 "it on a filesystem every node sees, or load it by Hub id"
             )
     if local:
-        if not os.path.exists(os.path.join(name_or_path, "config.json")):
-            if os.path.exists(os.path.join(name_or_path, "adapter_config.json")):
-                raise CheckpointError(
-                    f"{name_or_path} holds a PEFT adapter only (adapter_config.json, no config.json). Vanilla "
-                    "from_pretrained would load its base and apply it; hf_rtp does not apply adapters at load: "
-                    "load the base model's folder, or merge the adapter with vanilla and load the merged folder"
-                )
-            raise CheckpointError(f"{name_or_path} has no config.json; is it a transformers checkpoint directory?")
+        if not os.path.lexists(os.path.join(name_or_path, JOURNAL)):
+            require_config(name_or_path)
+        # else a save a crash interrupted, maybe before it moved config.json in: the load's recovery step comes
+        # next (loader.recover: it finishes the commit or says why not; resolving a path never does), then this check
         return name_or_path, None
     if not dist.is_initialized():
         downloaded = _download(name_or_path, revision, token, cache_dir, local_files_only)
@@ -150,6 +147,18 @@ def resolve_directory(
         if path is None:  # the node's first rank has it in this node's cache now
             path = _download(name_or_path, commit, token, cache_dir, True, chosen=True)
     return path, commit
+
+
+def require_config(directory: str) -> None:
+    """A local folder must hold config.json; else the error names what it holds instead."""
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        if os.path.exists(os.path.join(directory, "adapter_config.json")):
+            raise CheckpointError(
+                f"{directory} holds a PEFT adapter only (adapter_config.json, no config.json). Vanilla "
+                "from_pretrained would load its base and apply it; hf_rtp does not apply adapters at load: "
+                "load the base model's folder, or merge the adapter with vanilla and load the merged folder"
+            )
+        raise CheckpointError(f"{directory} has no config.json; is it a transformers checkpoint directory?")
 
 
 def _download(name_or_path, revision, token, cache_dir, only_cached, chosen=False) -> str:

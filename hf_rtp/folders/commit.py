@@ -4,15 +4,18 @@ The folder may hold other files (a tokenizer, checkpoint-* folders, the user's o
 swapped; its files are. The writer, holding the folder's lock (ownership.FolderLock):
 
 1. stages the new files in `.hf_rtp-staging-<save id>`, beside a marker that records the id;
-2. writes the journal: the save id, and the identity (inode, size, mtime) of every file it will
-   move in, replace, set aside or remove;
+2. refuses, touching nothing, where a file under the name of one of its shards is one no index in the
+   folder names (the user's own, or what a save interrupted without a journal left); then writes the
+   journal, for every commit, a first save's into a folder without a checkpoint too: the save id, and the
+   identity (inode, size, mtime) of every file it will move in, replace, set aside or remove;
 3. sets the old entry point aside into the staging folder: a loader in the window finds no entry
    point (an error), never old and new files mixed;
 4. moves the files in, the new entry point last; removes the old index's shards the new save does
    not use; removes the journal, then its staging folder (a crash between the two leaves
    only a staging folder, which the next save removes once its marker proves it hf_rtp's).
 
-A crash in 3-4 leaves the journal, and the next hf_rtp load or save of the folder finishes the commit
+A crash in 3-4 leaves the journal (so a crash never leaves files under a save's names without the
+proof that hf_rtp wrote them), and the next hf_rtp load or save of the folder finishes the commit
 (`recover`), but only when the folder still holds exactly what the crash left: the journal is a
 regular file in hf_rtp's format, its staging folder a real child folder whose marker holds the same
 id, and every file the rest of the commit would touch has the identity the journal recorded. A
@@ -118,7 +121,9 @@ def commit(staging: str, directory: str, filenames: list[str]) -> None:
     fsync_tree(staging)
     faults.point("save.commit")
     old_entries = [n for n in (INDEX_NAME, SINGLE_NAME) if identity(os.path.join(directory, n)) is not None]
+    indexed = _indexed_shards(directory, old_entries)
     here = {n: identity(os.path.join(directory, n)) for n in staged}
+    _refuse_strays(directory, [n for n in staged if _SHARD.fullmatch(n) and here[n] is not None and n not in indexed])
     record = {
         "format": _FORMAT,
         "save_id": os.path.basename(staging)[len(STAGING_PREFIX) :],
@@ -126,30 +131,42 @@ def commit(staging: str, directory: str, filenames: list[str]) -> None:
         "entry": entry,
         "moves": {n: {"new": identity(os.path.join(staging, n)), "old": here[n]} for n in staged},
         "aside": {n: identity(os.path.join(directory, n)) for n in old_entries},
-        "remove": _unused_old_shards(directory, old_entries, filenames),
+        "remove": {
+            f: identity(os.path.join(directory, f))
+            for f in sorted(indexed - set(filenames))
+            if identity(os.path.join(directory, f)) is not None
+        },
     }
-    if old_entries and not (old_entries == [entry] and staged == [entry]):  # else one atomic rename
-        write_json(os.path.join(directory, JOURNAL), record)
-    else:
-        record["aside"] = {}
+    if old_entries == [entry] and staged == [entry]:
+        record["aside"] = {}  # the commit is one rename over the old entry point: never an instant without one
+    # Always, a first save's into a folder without a checkpoint too: whatever a crash leaves of any commit is then
+    # provably hf_rtp's, for the next load or save to finish, never files under a save's names without a proof.
+    write_json(os.path.join(directory, JOURNAL), record)
     _finish(directory, record)
 
 
-def _unused_old_shards(directory: str, old_entries: list[str], filenames: list[str]) -> dict[str, list[int] | None]:
-    """The shards the old index names and the new save does not write, with their identities now.
-    Only these are removed after the commit (vanilla removes the same ones by name pattern alone)."""
+def _indexed_shards(directory: str, old_entries: list[str]) -> set[str]:
+    """The shards the folder's index names: the old checkpoint's, which this save replaces or removes (the new
+    save's own names replaced, the rest removed as vanilla removes them by name pattern alone)."""
     if INDEX_NAME not in old_entries:
-        return {}
+        return set()
     try:
         weight_map = read_json(os.path.join(directory, INDEX_NAME), "the old index").get("weight_map", {})
-        shards = {f for f in weight_map.values() if isinstance(f, str) and _SHARD.fullmatch(f)}
+        return {f for f in weight_map.values() if isinstance(f, str) and _SHARD.fullmatch(f)}
     except (CheckpointError, AttributeError):
-        return {}  # an unreadable old index: leave its shards alone
-    return {
-        f: identity(os.path.join(directory, f))
-        for f in sorted(shards - set(filenames))
-        if identity(os.path.join(directory, f)) is not None
-    }
+        return set()  # an unreadable old index: its shards are no one's that hf_rtp can prove
+
+
+def _refuse_strays(directory: str, strays: list[str]) -> None:
+    """A file under a name this save's shards take that no index in the folder names is not provably a checkpoint's
+    (the user's own, or what a save interrupted without a journal left): never moved over, named instead."""
+    if strays:
+        shown = ", ".join(strays[:5]) + (f" and {len(strays) - 5} more" if len(strays) > 5 else "")
+        raise Refused(
+            f"{directory} holds {shown} under the names this save's shards take, but no checkpoint index there names "
+            "them, so hf_rtp cannot tell they are not yours (your own files, or what an interrupted save left). "
+            "Nothing was changed: move them away (or delete them if you do not need them), then save again"
+        )
 
 
 class FilesInFolder:

@@ -132,6 +132,69 @@ def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_i
     assert (tmp_path / "out" / "tokenizer.json").read_text() == "the user's"
 
 
+@pytest.mark.parametrize("then", ["load", "save"])
+def test_a_first_save_interrupted_mid_commit_is_journaled_and_finished_by_the_next_load_or_save(
+    ckpt, tmp_path, caplog, then
+):
+    """A first save_pretrained into a folder without a checkpoint (the user's tokenizer only), failing half-way
+    through its commit: some shards in place, no entry point. The journal proves them hf_rtp's, so the next load
+    or save finishes the commit; a save then replaces that checkpoint whole."""
+    folder = str(tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenizer.json").write_text("the user's")
+    model = hf_rtp.from_pretrained(ckpt)
+    expected = _weights(model)
+    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
+    try:
+        with pytest.raises(hf_rtp.CheckpointError, match="No space left on device"):
+            model.save_pretrained(folder, max_shard_size=SHARDS)
+    finally:
+        del os.environ["HF_RTP_FAULT"]
+    names = os.listdir(folder)
+    assert [n for n in names if n.startswith("model-")] and "model.safetensors.index.json" not in names
+    assert ".hf_rtp-commit.json" in names  # the proof that those shards are hf_rtp's, and of what is left to do
+    with pytest.raises(OSError, match=r"model\.safetensors"):
+        AutoModelForCausalLM.from_pretrained(folder)  # vanilla finds no entry point: an error, never a part
+    with caplog.at_level(logging.INFO, logger="hf_rtp"):
+        if then == "load":
+            assert _same(_weights(hf_rtp.from_pretrained(folder)), expected)
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+            expected = _weights(model)
+            model.save_pretrained(folder, max_shard_size=SHARDS)
+    assert f"found the journal of a save_pretrained a crash interrupted in {folder}: finishing it" in caplog.text
+    assert _same(_weights(AutoModelForCausalLM.from_pretrained(folder)), expected)
+    assert not [n for n in os.listdir(folder) if n.startswith(".hf_rtp")]
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "the user's"
+
+
+def test_a_first_save_interrupted_before_it_moved_anything_in_is_finished_by_the_next_load(ckpt, tmp_path, caplog):
+    """The window right after the journal is written: no config.json in the folder yet, only the journal and the
+    staging folder. Resolving the folder does not refuse it for want of a config; the load's recovery step
+    finishes the commit, and the folder loads."""
+    out = tmp_path / "out"
+    out.mkdir()
+    model = hf_rtp.from_pretrained(ckpt)
+    expected = _weights(model)
+    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
+    try:
+        with pytest.raises(hf_rtp.CheckpointError, match="No space left on device"):
+            model.save_pretrained(str(out))  # single file: config.json moved in, then the fault
+    finally:
+        del os.environ["HF_RTP_FAULT"]
+    (staging,) = out.glob(".hf_rtp-staging-*")
+    for name in os.listdir(out):  # back where the commit found it: a rename keeps what the journal recorded
+        if not name.startswith(".hf_rtp"):
+            os.rename(out / name, staging / name)
+    assert sorted(os.listdir(out)) == sorted([".hf_rtp-commit.json", staging.name])
+    with caplog.at_level(logging.INFO, logger="hf_rtp"):
+        assert _same(_weights(hf_rtp.from_pretrained(str(out))), expected)
+    assert f"finished the interrupted save in {out}" in caplog.text
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
 def _fresh(ckpt):
     model = hf_rtp.from_pretrained(ckpt).train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

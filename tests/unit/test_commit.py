@@ -1,9 +1,11 @@
 """hf_rtp/folders/commit.py, save_pretrained's commit into the user's folder, on real files in one process.
 
 A commit interrupted half-way (HF_RTP_FAULT="raise@save.commit.mid", the project's own fault point) leaves no
-entry point and a journal, and `recover` finishes it. A journal that is not hf_rtp's, a planted one, a staging
-folder whose marker names another save, or any file whose identity changed since the journal was written is
-never acted on: every file under the folder is byte-identical afterwards, and the warning says why."""
+entry point and a journal, a first save's into a folder without a checkpoint too, and `recover` (or the next save)
+finishes it; a file under a shard's name that no index in the folder names is never moved over. A journal that
+is not hf_rtp's, a planted one, a staging folder whose marker names another save, or any file whose identity
+changed since the journal was written is never acted on: every file under the folder is byte-identical
+afterwards, and the warning says why."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from pathlib import Path
 import pytest
 from support.folders import snapshot
 
+from hf_rtp import faults
 from hf_rtp.folders.commit import (
     INDEX_NAME,
     JOURNAL,
     MARKER,
     SINGLE_NAME,
+    FilesInFolder,
     Refused,
     _read_journal,
     commit,
@@ -195,6 +199,106 @@ def test_a_journal_found_while_another_save_holds_the_folder_is_left_to_it(inter
         assert snapshot(interrupted.parent) == held
     assert f"pid {os.getpid()}" in caplog.text and "is saving into" in caplog.text
     assert snapshot(interrupted.parent) == before
+
+
+# --- a first save into a folder without a checkpoint: journaled like any other
+
+
+def _staged_sharded(staging: str, tag: str, count: int = 2) -> list[str]:
+    """A sharded save's files in `staging`, each holding `tag`; the shards' names."""
+    shards = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    _write(os.path.join(staging, "config.json"), json.dumps({"tag": tag}))
+    _write(os.path.join(staging, INDEX_NAME), json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
+    for shard in shards:
+        _write(os.path.join(staging, shard), f"{tag} {shard}")
+    return shards
+
+
+def _first_save(tag: str) -> dict[str, str]:
+    return {
+        "config.json": json.dumps({"tag": tag}),
+        INDEX_NAME: json.dumps({"weight_map": {"w0": SHARD_1, "w1": SHARD_2}}),
+        SHARD_1: f"{tag} {SHARD_1}",
+        SHARD_2: f"{tag} {SHARD_2}",
+        "tokenizer.json": "the user's tokenizer",
+    }
+
+
+@pytest.fixture
+def interrupted_first(tmp_path, monkeypatch) -> Path:
+    """A first sharded save into a folder holding only the user's tokenizer, its commit failed half-way (the
+    config and the first shard moved in, the second shard and the index not), then the fault setting gone."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    _write(folder / "tokenizer.json", "the user's tokenizer")
+    staging = new_staging(str(folder))
+    shards = _staged_sharded(staging, "first")
+    monkeypatch.delenv("HF_RTP_FAULT", raising=False)
+    faults.point("save.commit.mid")  # reached unset: the setting below counts from zero, whatever ran before
+    monkeypatch.setenv("HF_RTP_FAULT", "raise@save.commit.mid")
+    with pytest.raises(OSError, match="No space left on device"):
+        commit(staging, str(folder), shards)
+    monkeypatch.delenv("HF_RTP_FAULT")
+    return folder
+
+
+def test_a_first_commit_interrupted_half_way_leaves_its_journal_and_recover_finishes_it(interrupted_first, caplog):
+    names = set(os.listdir(interrupted_first))
+    assert SHARD_1 in names and not {SHARD_2, INDEX_NAME, SINGLE_NAME} & names  # a shard in place, no entry point
+    assert JOURNAL in names  # the proof that the shard in place is hf_rtp's, and of what is left to move
+    with caplog.at_level(logging.INFO, logger="hf_rtp"):
+        recover(str(interrupted_first))
+    assert _contents(interrupted_first) == _first_save("first")
+    assert f"finished the interrupted save in {interrupted_first}" in caplog.text
+
+
+def test_the_save_after_an_interrupted_first_commit_finishes_it_then_replaces_it_whole(interrupted_first, caplog):
+    target = FilesInFolder(str(interrupted_first), [SHARD_1, SHARD_2])  # save_pretrained's steps (checkpoint/save.py)
+    held = target.lock()
+    try:
+        with caplog.at_level(logging.INFO, logger="hf_rtp"):
+            staging = target.stage()  # finishes the interrupted commit first: its shard is then the index's
+        assert {n: (interrupted_first / n).read_text() for n in _first_save("first")} == _first_save("first")
+        assert f"finished the interrupted save in {interrupted_first}" in caplog.text
+        _staged_sharded(staging, "second")
+        target.commit(staging)  # over a checkpoint whose index names the shards it replaces
+    finally:
+        held.release()
+    assert _contents(interrupted_first) == _first_save("second")
+
+
+def _a_stray_shard_in_a_folder_without_a_checkpoint(folder: Path) -> str:
+    """What a commit interrupted before every commit was journaled left, or whose journal was deleted by hand."""
+    folder.mkdir()
+    _write(folder / "tokenizer.json", "the user's tokenizer")
+    _write(folder / "config.json", '{"left": "over"}')
+    _write(folder / "model-00002-of-00003.safetensors", "no index names this file")
+    return "model-00002-of-00003.safetensors"
+
+
+def _a_stray_shard_beside_an_old_checkpoint(folder: Path) -> str:
+    _old_sharded(folder)  # its index names two shards; the user's STRAY, under a third shard's name, it does not
+    return STRAY
+
+
+@pytest.mark.parametrize(
+    "make", [_a_stray_shard_in_a_folder_without_a_checkpoint, _a_stray_shard_beside_an_old_checkpoint]
+)
+def test_a_shard_is_never_moved_over_a_file_no_index_in_the_folder_names(tmp_path, make):
+    folder = tmp_path / "out"
+    stray = make(folder)
+    before = snapshot(tmp_path)
+    target = FilesInFolder(str(folder), [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)])
+    held = target.lock()  # save_pretrained's steps: a refused commit is abandoned, its staging folder removed
+    try:
+        staging = target.stage()
+        _staged_sharded(staging, "new", count=3)
+        with pytest.raises(Refused, match=rf"{folder} holds {stray} under the names this save's shards take"):
+            target.commit(staging)
+        target.abandon(staging)
+    finally:
+        held.release()
+    assert snapshot(tmp_path) == before  # no journal, nothing moved, set aside or removed
 
 
 # --- the journal's own checks: only what this version of hf_rtp writes is read as a journal
