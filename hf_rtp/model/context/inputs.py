@@ -164,6 +164,8 @@ def buffer_problem(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> str 
     """What is wrong with a block's buffers on this rank, or None: each is cut in place, once, along its dim."""
     if len(buffers) != len(dims):
         return f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims"
+    if not buffers:
+        return "no buffers: the block cuts the batch's tensors it is given (input_ids, labels, position_ids, ...)"
     seen: dict[int, tuple[int, int]] = {}
     for i, (b, d) in enumerate(zip(buffers, dims, strict=True)):
         if not torch.is_tensor(b):
