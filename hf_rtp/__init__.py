@@ -20,10 +20,11 @@ from .errors import (
     SettingError,
     TopologyError,
     UnsupportedModelError,
+    UnsyncedGradientsError,
 )
 from .integrations.accelerate import Accelerator
 from .integrations.peft import adapter_state_dict
-from .model.context import context_parallel
+from .model.context import context_parallel, context_parallel_unshard
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
 from .model.state import is_rotated, state_of
 from .model.whole import whole_model
@@ -49,10 +50,12 @@ __all__ = [
     "SettingError",
     "TopologyError",
     "UnsupportedModelError",
+    "UnsyncedGradientsError",
     "adapter_state_dict",
     "attach_trainer",
     "collective_timeout",
     "context_parallel",
+    "context_parallel_unshard",
     "from_pretrained",
     "ignore_rotated_in_ddp",
     "is_rotated",

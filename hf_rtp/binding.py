@@ -17,7 +17,7 @@ from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import install_when_peft_is_imported
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
 from .model import traffic
-from .model.data_parallel import ignore_rotated_in_ddp
+from .model.data_parallel import ignore_rotated_in_ddp, watch
 from .model.generation import generate
 from .model.heads import is_causal_lm
 from .model.state import ATTRIBUTE, RTPState
@@ -26,9 +26,9 @@ from .model.vocabulary import resize_token_embeddings
 
 def bind(model: nn.Module, state: RTPState, load: Callable[..., nn.Module]) -> nn.Module:
     """Everything hf_rtp attaches to a loaded model: its state, the collective save/push/generate, the
-    DDP ignore list (and adoption of a plain Accelerator that wraps it in DDP), Trainer adoption on `.to()`, and
-    the guard that makes ranks meet at each forward. `load` (from_pretrained) goes down to a Trainer's attachment,
-    which loads TRL's reference model with it."""
+    DDP ignore list (and adoption of a plain Accelerator that wraps it in DDP), Trainer adoption on `.to()`, the
+    guard that makes ranks meet at each forward, and the check of optimizer steps over its replicated gradients.
+    `load` (from_pretrained) goes down to a Trainer's attachment, which loads TRL's reference model with it."""
     object.__setattr__(model, ATTRIBUTE, state)  # not a submodule, not in state_dict
     _attach(model, "save_pretrained", _save_pretrained)
     _attach(model, "push_to_hub", push_to_hub)
@@ -58,6 +58,7 @@ def bind(model: nn.Module, state: RTPState, load: Callable[..., nn.Module]) -> n
         # after the model's forward (its LM head included), also when it raised: ops outside a forward move weights
         model.register_forward_hook(lambda *_: traffic.clear(state.topology.ring), always_call=True)
         install_when_peft_is_imported()  # process-wide, until PEFT knows the `rtp` mesh
+        watch(model, backbone)  # a step over replicated gradients that nothing averaged is refused
     return model
 
 

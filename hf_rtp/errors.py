@@ -30,6 +30,11 @@ class CollectiveMisuseError(HfRtpError):
     """A call every rank must make (forward, generate, save) was not made by every rank."""
 
 
+class UnsyncedGradientsError(CollectiveMisuseError):
+    """An optimizer step over replicated parameters whose gradients no rank averaged over the others
+    (`hf_rtp.sync_grads`, DDP or `accelerator.prepare`): each rank would step them on its own batch alone."""
+
+
 class RotatedStateError(HfRtpError):
     """A path would treat rotated parameters as ordinary SPMD DTensors: every rank holds other data,
     so a rank-0 slice, a pickled shard or a slice-only gradient would be silently wrong."""
@@ -58,6 +63,7 @@ CLASSES = {
         UnsupportedModelError,
         TopologyError,
         CollectiveMisuseError,
+        UnsyncedGradientsError,
         RotatedStateError,
         IntegrationError,
         KeywordError,

@@ -32,6 +32,7 @@ from .errors import CheckpointError, KeywordError, SettingError, TopologyError
 from .folders.commit import recover_before_reading
 from .integrations import bitsandbytes, torchao
 from .integrations.accelerate import check_accelerate_state
+from .model.data_parallel import check_steps
 from .model.heads import fresh_head, initialise_head
 from .model.install import install
 from .model.ties import tie_targets
@@ -176,6 +177,8 @@ def install_weights(
     """The tensors read become the model's parameters (rotated ones as DTensors of this rank's rows); the
     quantized modules, a fresh head and the generation config follow, as vanilla's model has them."""
     install(model, resolution, read.tensors, topology)
+    if topology.world_size > 1:  # first of the step pre-hooks: a step it refuses has stepped no row
+        check_steps()
     if topology.rtp_size > 1:
         bitsandbytes.step_on_rows()  # its optimizers' state of rotated rows
         torchao.step_on_rows()

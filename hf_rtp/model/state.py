@@ -26,6 +26,9 @@ class RTPState:
     spec: LoadSpec | None = None
     """how this model was loaded (settings, grid, plan): what loading another model like it passes to
     from_pretrained (TRL's reference model, integrations/trl.py)"""
+    averaged_by_ddp: bool = False
+    """DDP wrapped the model (it read the ignore list: accelerate's prepare, Trainer and TRL wrap it so), so DDP
+    averages its replicated gradients and an optimizer step needs no proof of sync_grads (model/data_parallel.py)"""
 
 
 def rotated_module(model: nn.Module) -> nn.Module | None:

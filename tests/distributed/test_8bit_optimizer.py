@@ -282,6 +282,7 @@ def _lamb(ckpt):
     optimizer = bnb.optim.LAMB8bit(model.parameters(), lr=1e-2)
     batch = global_batch(2)[int(os.environ["RANK"])]
     model(input_ids=batch, labels=batch).loss.backward()
+    hf_rtp.sync_grads(model)  # as a plain loop must: the refusal is LAMB's, not the unaveraged norms'
     with pytest.raises(hf_rtp.RotatedStateError) as refused:
         optimizer.step()
     untouched = all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())

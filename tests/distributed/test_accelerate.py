@@ -137,6 +137,7 @@ def _plain_accelerate_refuses(ckpt, out):
     optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     batch = global_batch(2)[rank]
     model(input_ids=batch, labels=batch).loss.backward()
+    hf_rtp.sync_grads(model)  # the model runs outside DDP: its loop averages the replicated gradients itself
     optimizer.step()
     outcomes = []
     for safe in (False, True):  # pickle or safetensors: either would write rank 0's rows

@@ -49,6 +49,8 @@ def _load(ckpt, layout):
 def _train_and_save(ckpt, layout, out_dir):
     import torch.distributed as dist
 
+    import hf_rtp
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model, ref, topology = _load(ckpt, layout)
     assert (topology.dp_size, topology.rtp_size) == (2, 2)
@@ -61,6 +63,13 @@ def _train_and_save(ckpt, layout, out_dir):
     head = model.lm_head.weight
     (head.full_tensor() * (rank + 1)).sum().backward()
     torch.testing.assert_close(head.grad.to_local(), torch.full_like(head.grad.to_local(), 2.5))
+    model.zero_grad()
+
+    # replicated gradients need the mean over the whole grid: a step without sync_grads or DDP is refused
+    batch = global_batch(world)[rank]
+    model(input_ids=batch, labels=batch).loss.backward()
+    with pytest.raises(hf_rtp.UnsyncedGradientsError, match="never averaged over the 4 ranks"):
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
     model.zero_grad()
 
     # generate: each replica's ring steps through its own prompt, every rank together
