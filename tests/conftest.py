@@ -25,6 +25,7 @@ _FIRST = (
     "tests/e2e/test_trl_sft_script.py",
     "tests/e2e/test_recipe_context_parallel.py",
     "tests/distributed/test_context_parallel.py",
+    "tests/distributed/test_context_parallel_seams.py",
     "tests/distributed/test_torchao_optimizer.py",  # over two minutes: last on a worker, it was CI's tail
     "tests/distributed/test_zoo.py",
     "tests/distributed/test_bad_input.py",
