@@ -75,12 +75,7 @@ def _interrupted_then_vanilla(ckpt, folder):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.5)
-    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
-    try:
-        with pytest.raises(hf_rtp.CheckpointError, match="No space left on device"):
-            model.save_pretrained(folder, max_shard_size=SHARDS)
-    finally:
-        del os.environ["HF_RTP_FAULT"]
+    _save_failing_mid_commit(model, folder, max_shard_size=SHARDS)
     assert os.path.exists(os.path.join(folder, ".hf_rtp-commit.json"))
     torch.manual_seed(7)
     newer = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(ckpt).config)
@@ -112,12 +107,7 @@ def test_an_interrupted_commit_is_still_finished_when_the_folder_is_as_it_left_i
         for p in model.parameters():
             p.add_(0.5)
     expected = _weights(model)
-    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
-    try:
-        with pytest.raises(hf_rtp.CheckpointError):
-            model.save_pretrained(folder, max_shard_size="1GB")  # sharded -> single: the old shards must go
-    finally:
-        del os.environ["HF_RTP_FAULT"]
+    _save_failing_mid_commit(model, folder, max_shard_size="1GB")  # sharded -> single: the old shards must go
     with caplog.at_level(logging.INFO, logger="hf_rtp"):
         reloaded = hf_rtp.from_pretrained(folder)  # the load's recovery step, named in the log
     assert _same(_weights(reloaded), expected)
@@ -144,12 +134,7 @@ def test_a_first_save_interrupted_mid_commit_is_journaled_and_finished_by_the_ne
     (tmp_path / "out" / "tokenizer.json").write_text("the user's")
     model = hf_rtp.from_pretrained(ckpt)
     expected = _weights(model)
-    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
-    try:
-        with pytest.raises(hf_rtp.CheckpointError, match="No space left on device"):
-            model.save_pretrained(folder, max_shard_size=SHARDS)
-    finally:
-        del os.environ["HF_RTP_FAULT"]
+    _save_failing_mid_commit(model, folder, max_shard_size=SHARDS)
     names = os.listdir(folder)
     assert [n for n in names if n.startswith("model-")] and "model.safetensors.index.json" not in names
     assert ".hf_rtp-commit.json" in names  # the proof that those shards are hf_rtp's, and of what is left to do
@@ -178,12 +163,7 @@ def test_a_first_save_interrupted_before_it_moved_anything_in_is_finished_by_the
     out.mkdir()
     model = hf_rtp.from_pretrained(ckpt)
     expected = _weights(model)
-    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
-    try:
-        with pytest.raises(hf_rtp.CheckpointError, match="No space left on device"):
-            model.save_pretrained(str(out))  # single file: config.json moved in, then the fault
-    finally:
-        del os.environ["HF_RTP_FAULT"]
+    _save_failing_mid_commit(model, str(out))  # single file: config.json moved in, then the fault
     (staging,) = out.glob(".hf_rtp-staging-*")
     for name in os.listdir(out):  # back where the commit found it: a rename keeps what the journal recorded
         if not name.startswith(".hf_rtp"):
@@ -326,3 +306,13 @@ def test_a_forged_journal_that_matches_every_file_still_removes_nothing_without_
     hf_rtp.from_pretrained(str(folder))
     assert snapshot(tmp_path) == before
     assert "staging folder .hf_rtp-staging-ffff" in hf_rtp_warnings.text
+
+
+def _save_failing_mid_commit(model, *args, **kwargs) -> None:
+    """model.save_pretrained(*args, **kwargs) with the fault `raise@save.commit.mid` (the disk full mid-commit)."""
+    os.environ["HF_RTP_FAULT"] = "raise@save.commit.mid"
+    try:
+        with pytest.raises(hf_rtp.CheckpointError, match="No space left on device"):
+            model.save_pretrained(*args, **kwargs)
+    finally:
+        del os.environ["HF_RTP_FAULT"]

@@ -27,7 +27,8 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from support.models import tiny_llama_config
+from transformers import AutoModelForCausalLM
 
 pytest.importorskip("trl")
 
@@ -53,15 +54,7 @@ def _models(vocab: int):
     from hf_rtp.distributed.ring import Ring
     from hf_rtp.layers import RotatedLinear
 
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(vocab_size=vocab, intermediate_size=64)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     vanilla = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
