@@ -29,6 +29,7 @@ import sys
 import types
 from collections.abc import Callable
 
+import transformers
 from torch import nn
 
 from ..checkpoint.load import load_into
@@ -153,6 +154,14 @@ def check_attached(load: Callable[..., nn.Module]) -> None:
             "to its device); attaching it at its first forward. Call hf_rtp.attach_trainer(trainer) after building it"
         )
         attach_trainer(trainer, load)
+        config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+        if config is not None and config.cp_enabled:  # this call began before its Trainer's side was in place
+            raise SettingError(
+                f"{type(trainer).__name__} under context parallelism was attached to hf_rtp only at its first forward "
+                "(it did not move the model to its device: place_model_on_device=False, bf16_full_eval or "
+                "fp16_full_eval), after this step's context-parallel block and loss had begun without it. Call "
+                "hf_rtp.attach_trainer(trainer) right after building the Trainer"
+            )
 
 
 def refuse_unattached_save(world_size: int) -> None:
@@ -260,6 +269,8 @@ def _compute_loss(self, model, inputs, *args, **kwargs):
     if run is None:
         return own(self, model, inputs, *args, **kwargs)
     _refuse_loss_outside_the_model(self, model)
+    if self.__dict__.get(_PREDICTING):
+        raise SettingError(_NO_PREDICTIONS.format(type(self).__name__))
     counted = (kwargs["num_items_in_batch"] if "num_items_in_batch" in kwargs else (args[1:2] or [None])[0]) is not None
     with context.shares(run, counted and bool(getattr(self, "model_accepts_loss_kwargs", False))):
         return own(self, model, inputs, *args, **kwargs)
@@ -277,6 +288,12 @@ def _refuse_loss_outside_the_model(self, model) -> None:
         )
     if getattr(self, "compute_loss_func", None) is not None:
         found.append("compute_loss_func (it gets this rank's logits, chunks r and 2N-1-r)")
+    strategy = getattr(self.args, "eval_strategy", "no")
+    evaluates = str(getattr(strategy, "value", strategy)) != "no" and getattr(self, "compute_metrics", None)
+    if model.training and evaluates and type(self).prediction_step is transformers.Trainer.prediction_step:
+        found.append(
+            "compute_metrics with an evaluation during training (its predictions would be each rank's chunks of logits)"
+        )
     if model.training and getattr(self, "neftune_noise_alpha", None) is not None:
         found.append(
             f"neftune_noise_alpha={self.neftune_noise_alpha} (its noise is scaled by the rank's own "
@@ -290,16 +307,21 @@ def _refuse_loss_outside_the_model(self, model) -> None:
         )
 
 
+_PREDICTING = "_hf_rtp_predicting"
+_NO_PREDICTIONS = (
+    "{} under context parallelism computes the evaluation loss only: its predictions would be each rank's chunks "
+    "of the sequence, which Trainer gathers from every rank of every ring as if they were sequences. Evaluate "
+    "without compute_metrics (or with prediction_loss_only=True); for logits in your own loop, call "
+    "hf_rtp.context_parallel_unshard inside the block"
+)
+
+
 def _prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs):
-    """The trainer class's own prediction_step; under context parallelism, predictions (logits) are refused: each
-    rank holds its chunks' logits, which Trainer would gather from every rank of every ring as if they were
-    whole sequences. The loss alone (evaluate() without compute_metrics) is the sequence's, as vanilla's."""
-    config = getattr(self.accelerator, "parallelism_config", None)
-    if not prediction_loss_only and config is not None and config.cp_enabled:
-        raise SettingError(
-            f"{type(self).__name__} under context parallelism computes the evaluation loss only: its predictions "
-            "would be each rank's chunks of the sequence. Evaluate without compute_metrics (or with "
-            "prediction_loss_only=True); for logits in your own loop, call hf_rtp.context_parallel_unshard inside "
-            "the block"
-        )
-    return type(self).prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs)
+    """The trainer class's own prediction_step, remembering whether it wants predictions: a forward of it inside a
+    context-parallel block is refused then (`_compute_loss`). Outside a block (a batch without labels, or a trainer
+    whose prediction_step never cuts the batch, as TRL's SFTTrainer's) each rank's predictions are whole."""
+    self.__dict__[_PREDICTING] = not prediction_loss_only
+    try:
+        return type(self).prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs)
+    finally:
+        self.__dict__[_PREDICTING] = False

@@ -200,11 +200,20 @@ def install_forward(model: PreTrainedModel, fused: bool) -> bool:
             num_items_in_batch = num_items_in_batch.to(per_token.device)
         return per_token.sum() / num_items_in_batch
 
+    positional = [  # the forward's parameters a caller may pass by position (input_ids first), for the block's checks
+        name
+        for name, p in inspect.signature(type(model).forward).parameters.items()
+        if name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
     @functools.wraps(type(model).forward)  # generate and Trainer read the model's signature through it
     def forward(self, *args, return_logits: bool = False, **kwargs):
         run = context.active(self)
         if run is not None:  # one sequence across the ring: checked inputs, the sequence's loss
-            return context.forward(run, lambda **kw: routed(self, *args, return_logits=return_logits, **kw), kwargs)
+            if len(args) > len(positional):
+                raise TypeError(f"{type(self).__name__}.forward takes {len(positional)} positional arguments")
+            kwargs = {**dict(zip(positional, args, strict=False)), **kwargs}  # by position too: the checks see them
+            return context.forward(run, lambda **kw: routed(self, return_logits=return_logits, **kw), kwargs)
         return routed(self, *args, return_logits=return_logits, **kwargs)
 
     def routed(self, *args, return_logits: bool = False, **kwargs):

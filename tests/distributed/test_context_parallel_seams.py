@@ -139,6 +139,30 @@ def _docs_loop(path: str):
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), atol=1e-7, rtol=1e-6)
     assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL, trainable=True)
 
+    # input_ids by position and position_ids of one row, as vanilla accepts them; embeddings that require grad
+    optimizer.zero_grad()
+    ref_optimizer.zero_grad()
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(SEQ)[None]}
+    with torch.no_grad(), hf_rtp.context_parallel(model, batch):
+        rest = {k: v for k, v in batch.items() if k != "input_ids"}
+        positional = model(batch["input_ids"], **rest).loss
+    torch.testing.assert_close(positional, ref(input_ids=ids, labels=labels).loss.detach(), atol=1e-7, rtol=1e-6)
+    embeds = model.get_input_embeddings()(ids)
+    assert embeds.requires_grad
+    batch = {"inputs_embeds": embeds, "labels": labels}
+    with hf_rtp.context_parallel(model, batch):
+        loss = model(**batch).loss
+        loss.backward()
+    ref_loss = ref(inputs_embeds=ref.get_input_embeddings()(ids), labels=labels).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-7, rtol=1e-6)
+    hf_rtp.sync_grads(model)
+    assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL, trainable=True)
+    with pytest.raises(hf_rtp.SettingError, match="different num_items_in_batch"):  # a count of a rank's cut
+        batch = {"input_ids": ids, "labels": labels, "num_items_in_batch": torch.tensor(10 + rank)}
+        with hf_rtp.context_parallel(model, batch):
+            model(**batch).loss.backward()
+
     unfused, ref = _both(path, fused_loss=False)
     batch = {"input_ids": ids}
     with torch.no_grad(), hf_rtp.context_parallel(unfused, batch):
@@ -191,13 +215,17 @@ def _buffers(path: str):
         batch["labels"] = batch["input_ids"][:, :] if views else batch["input_ids"].clone()
         batch["shift_labels"] = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
         batch.update(extra or {})
-        buffers = [batch[k] for k in ("input_ids", "labels", "shift_labels", "position_ids")]
-        block = accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 4)
+        buffers = [
+            batch[k] for k in ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds") if k in batch
+        ]
+        block = accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers))
         with pytest.raises(hf_rtp.SettingError, match=match), block:
             accelerator.backward(prepared(**batch).loss)
         seen.append(match)
 
     refused("buffers 0 and 1 are different tensors sharing storage", ids, views=True)
+    embeds = model.get_input_embeddings()(ids)  # cut in place, as accelerate's contract has it: autograd refuses
+    refused("buffer 4 requires grad", ids, {"inputs_embeds": embeds})
     refused(r"attention_mask holds the whole sequence's 41 tokens.*left out", ids, {"attention_mask": ids * 0 + 1})
     refused(f"a sequence of 3 tokens is shorter than the {2 * world} chunks", ids[:, :3])
     return seen
@@ -283,13 +311,18 @@ def _trainer(path: str, out: str):
     refusals = {
         "label_smoothing_factor=0.1": dict(label_smoothing_factor=0.1),
         "neftune_noise_alpha=5": dict(neftune_noise_alpha=5.0),
+        "compute_metrics with an evaluation during training": dict(eval_strategy="steps", eval_steps=1),
     }
     for match, extra in refusals.items():
         trainer, model = build(**extra)
+        trainer.compute_metrics = lambda prediction: {}
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with pytest.raises(hf_rtp.SettingError, match=match):
             trainer.train()
         assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())  # nothing stepped
+    trainer, model = build(bf16_full_eval=True)  # a Trainer that does not place its model is attached at a forward
+    with pytest.raises(hf_rtp.SettingError, match="attached to hf_rtp only at its first forward"):
+        trainer.evaluate()  # before train(), whose DDP wrap would have attached it
     trainer, model = build()
     trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()
     with pytest.raises(hf_rtp.SettingError, match="compute_loss_func"):
@@ -309,3 +342,16 @@ def test_trainer_evaluates_as_vanilla_and_refuses_what_it_cannot_compute_on_chun
         assert abs(results[0][when] - results[0][f"vanilla {when}"]) < 1e-6, results[0]
     assert abs(results[0]["between"] - results[0]["vanilla after"]) < 1e-6, results[0]  # max_steps=1: same weights
     assert abs(results[0]["before"] - results[0]["after"]) > 1e-3  # the step changed the model evaluated
+
+
+def test_a_ring_of_one_runs_the_block_unchanged_and_unshard_gives_the_tensors_back(tmp_path):
+    """World size 1 is plain PyTorch (I8): the block cuts nothing, and code written for N ranks runs."""
+    import hf_rtp
+
+    path = make_tiny("llama", tmp_path / "llama")
+    model = hf_rtp.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa", fused_loss=False).eval()
+    batch = {"input_ids": _ids()}
+    with torch.no_grad(), hf_rtp.context_parallel(model, batch):
+        logits = model(**batch).logits
+        (whole,) = hf_rtp.context_parallel_unshard(model, [logits], [1])
+    assert whole.shape == (2, SEQ, VOCAB) and torch.equal(whole, logits)

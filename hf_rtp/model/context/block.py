@@ -84,6 +84,27 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
 
 
 @contextmanager
+def _entered(
+    model: nn.Module, buffers: Sequence[torch.Tensor], dims: Sequence[int], cp_size: int | None, in_place: bool
+) -> Iterator[ContextRun | None]:
+    """A block over `buffers` (their sequence along `dims`), entered and agreed by every rank; None on a ring of one,
+    where the batch runs unchanged."""
+    state = state_of(model)
+    problem = buffer_problem(buffers, dims, in_place)
+    if state.topology.ring.size == 1:
+        if cp_size not in (None, 1):
+            raise SettingError(f"cp_size={cp_size} needs a ring of {cp_size} ranks; this model's ring has one")
+        if problem is not None:
+            raise SettingError(f"context parallelism: {problem}")
+        yield None
+        return
+    length = buffers[0].shape[dims[0]] if problem is None else 0
+    with running(model, length, cp_size) as run:
+        agree(run, buffers, state.topology, problem)
+        yield run
+
+
+@contextmanager
 def sharded(
     model: nn.Module,
     buffers: Sequence[torch.Tensor],
@@ -93,27 +114,18 @@ def sharded(
 ) -> Iterator[None]:
     """accelerate's `maybe_context_parallel` contract on a rotated model: `buffers` cut in place along their
     sequence dims for the block, restored after it unless in `no_restore_buffers`. A tensor listed twice (a batch
-    whose labels are its input_ids) is cut once; buffers sharing storage, or of different lengths, are refused on
-    every rank."""
-    state = state_of(model)
-    problem = buffer_problem(buffers, buffer_seq_dims)
-    if state.topology.ring.size == 1:
-        if cp_size not in (None, 1):
-            raise SettingError(f"cp_size={cp_size} needs a ring of {cp_size} ranks; this model's ring has one")
-        if problem is not None:
-            raise SettingError(f"context parallelism: {problem}")
-        yield
-        return
-    keep = no_restore_buffers or set()
-    length = buffers[0].shape[buffer_seq_dims[0]] if problem is None else 0
-    once: dict[int, tuple[torch.Tensor, int]] = {}
-    if problem is None:
+    whose labels are its input_ids) is cut once; buffers sharing storage, of different lengths, or that require
+    grad (autograd forbids resizing them) are refused on every rank."""
+    with _entered(model, buffers, buffer_seq_dims, cp_size, in_place=True) as run:
+        if run is None:
+            yield
+            return
+        keep = no_restore_buffers or set()
+        once: dict[int, tuple[torch.Tensor, int]] = {}
         for b, d in zip(buffers, buffer_seq_dims, strict=True):
             once.setdefault(id(b), (b, d))
-    with running(model, length, cp_size) as run:
-        agree(run, buffers, state.topology, problem)
         saved = [(b, b.clone()) for b, _ in once.values() if not any(b is k for k in keep)]
-        try:  # a buffer that cannot be cut in place (a leaf that requires grad) leaves the others whole again
+        try:
             for b, d in once.values():
                 local = run.layout.shard(b, d, run.rank)
                 b.resize_(local.shape).copy_(local)
@@ -133,11 +145,11 @@ def context_parallel(model: nn.Module, batch: dict) -> Iterator[dict]:
         hf_rtp.sync_grads(model)        # or DDP / accelerator.prepare: the replicated parameters' mean
 
     Adds what Trainer's context parallelism adds (position_ids 0..S-1, and shift_labels from labels), when
-    absent; cuts every tensor of the batch whose dim 1 is the sequence into this rank's chunks (r and
-    2N-1-r of 2N); puts the batch's own tensors back after the block. Every rank of the ring must be given
-    the same batch (checked). A ring of one runs the batch unchanged. Outputs without a loss (logits, hidden
-    states) are this rank's tokens, chunks r and 2N-1-r in that order: `context_parallel_unshard` inside the block
-    gives the whole sequence's."""
+    absent; puts this rank's chunks (r and 2N-1-r of 2N) of every tensor of the batch whose dim 1 is the sequence
+    in the batch, out of place (embeddings that require grad keep their graph); puts the batch's own tensors back
+    after the block. Every rank of the ring must be given the same batch (checked). A ring of one runs the batch
+    unchanged. Outputs without a loss (logits, hidden states) are this rank's tokens, chunks r and 2N-1-r in that
+    order: `context_parallel_unshard` inside the block gives the whole sequence's."""
     tokens = batch.get("input_ids")
     if tokens is None:
         tokens = batch.get("inputs_embeds")
@@ -150,10 +162,11 @@ def context_parallel(model: nn.Module, batch: dict) -> Iterator[dict]:
     if batch.get("labels") is not None and batch.get("shift_labels") is None:
         batch["shift_labels"] = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
     names = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == length]
-    for name in names:
-        batch[name] = batch[name].clone()  # cut in place below: the caller's tensors stay whole
     try:
-        with sharded(model, [batch[n] for n in names], [1] * len(names), set(batch[n] for n in names)):
+        with _entered(model, [batch[n] for n in names], [1] * len(names), None, in_place=False) as run:
+            if run is not None:
+                for name in names:
+                    batch[name] = run.layout.shard(batch[name], 1, run.rank)
             yield batch
     finally:
         batch.clear()
@@ -169,13 +182,15 @@ def context_parallel_unshard(
     must call it with tensors of the same shapes; no gradient flows through it."""
     run = current()
     inner = rotated_module(model)
+    if len(buffers) != len(seq_dims):
+        raise SettingError(f"{len(buffers)} buffers but {len(seq_dims)} seq_dims")
+    if run is None and inner is not None and state_of(inner).topology.ring.size == 1:
+        return [b.detach() for b in buffers]  # a ring of one holds the whole sequence (I8)
     if run is None or run.model is not inner:
         raise SettingError(
             "context_parallel_unshard is called inside the model's context-parallel block, where the ring knows how "
             "the sequence was cut: call it in the `with` block that computed the tensors"
         )
-    if len(buffers) != len(seq_dims):
-        raise SettingError(f"{len(buffers)} buffers but {len(seq_dims)} seq_dims")
     layout, size = run.layout, run.ring.size
     local, widest = layout.local_length(run.rank), max(layout.local_length(r) for r in range(size))
     wholes = []

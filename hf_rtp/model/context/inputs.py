@@ -19,6 +19,9 @@ from ...distributed.agreement import agreed
 from ...errors import SettingError
 from .run import IGNORE_INDEX, ContextRun, Facts
 
+PER_TOKEN = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "token_type_ids")
+"""a forward's keywords that hold one entry per token (dim 1 the sequence): each must be cut with the others"""
+
 
 def tokens_of(kwargs: dict) -> torch.Tensor | None:
     tokens = kwargs.get("input_ids")
@@ -28,29 +31,42 @@ def tokens_of(kwargs: dict) -> torch.Tensor | None:
 def check(run: ContextRun, kwargs: dict) -> Facts:
     """A forward's inputs inside a block, checked on every rank together: all go on, or all raise. Returns (and
     keeps for the rotary embeddings and attention) what the inputs say about the whole sequence."""
-    tokens, mask, positions = tokens_of(kwargs), kwargs.get("attention_mask"), kwargs.get("position_ids")
-    batch = next((t.shape[0] for t in (tokens, positions, mask) if t is not None and t.dim() >= 2), 1)
-    whole, padding, labels = _gather(run, kwargs, batch)
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    per_token = [kwargs.get(name) for name in PER_TOKEN]
+    batch = max((t.shape[0] for t in per_token if torch.is_tensor(t) and t.dim() >= 2), default=1)
+    whole, padding, labels, divisors_differ = _gather(run, kwargs, batch)
     with agreed(run.control, SettingError):
-        _check_inputs(run, kwargs, padding)
+        _check_inputs(run, kwargs, padding, batch)
+        if divisors_differ:  # the same on every rank: each saw every rank's
+            raise SettingError(
+                "context parallelism: the ranks of a ring passed different num_items_in_batch; each divides its "
+                "share of the sequence's loss by it, so it must be the same on every rank (count the labels of the "
+                "whole batch before the block, not of a rank's cut inside it)"
+            )
     assert positions is not None  # _check_inputs refuses a forward without them
     facts = Facts(positions, whole, None if mask is not None else _documents(whole), labels)
     run.facts[id(positions)] = facts
     return facts
 
 
-def _gather(run: ContextRun, kwargs: dict, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One all-gather on the ring, every rank whatever it holds: each rank's label count, padding extents and
-    position_ids (a share of the wrong shape is sent as -1 and refused by the check after). Returns the whole
-    sequence's position_ids [batch, S], per row (the last kept position, the first padded one), and the label count."""
+HEAD = 5
+"""columns before a rank's position_ids in the gather: last kept, -(first padded), label count, a divisor given,
+its float64 bits"""
+
+
+def _gather(run: ContextRun, kwargs: dict, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """One all-gather on the ring, every rank whatever it holds: each rank's label count, padding extents,
+    `num_items_in_batch` and position_ids (a share of the wrong shape is sent as -1 and refused by the check after).
+    Returns the whole sequence's position_ids [batch, S], per row (the last kept position, the first padded one),
+    the label count, and whether the ranks were given different `num_items_in_batch`."""
     layout, size, local = run.layout, run.ring.size, run.layout.local_length(run.rank)
     widest = max(layout.local_length(r) for r in range(size))
-    mine = torch.full((batch, 3 + widest), -1, dtype=torch.long)
+    mine = torch.full((batch, HEAD + widest), -1, dtype=torch.long)
     mine[:, 1] = -layout.length  # -(the first padded position): none
-    mine[:, 2] = 0
+    mine[:, 2:HEAD] = 0
     positions = kwargs.get("position_ids")
     if positions is not None and positions.dim() == 2 and tuple(positions.shape) in ((1, local), (batch, local)):
-        mine[:, 3 : 3 + local] = positions.expand(batch, -1).to(torch.long).cpu()
+        mine[:, HEAD : HEAD + local] = positions.expand(batch, -1).to(torch.long).cpu()
     mask = kwargs.get("attention_mask")
     where = layout.positions(run.rank)
     if mask is not None and mask.dim() == 2 and tuple(mask.shape) == (batch, local):
@@ -58,19 +74,24 @@ def _gather(run: ContextRun, kwargs: dict, batch: int) -> tuple[torch.Tensor, to
         mine[:, 0] = torch.where(kept, where, -1).amax(1) if local else -1
         mine[:, 1] = -torch.where(kept, layout.length, where).amin(1) if local else -layout.length
     shift = kwargs.get("shift_labels")
-    if shift is not None and shift.dim() == 2 and shift.shape[0] == batch and shift.shape[-1] == local:
-        mine[:, 2] = (shift != IGNORE_INDEX).sum(1).cpu()
+    if shift is not None and shift.shape[-1] == local:  # a wrong batch is refused by the check after
+        mine[0, 2] = int((shift != IGNORE_INDEX).sum())
+    divisor = kwargs.get("num_items_in_batch")
+    if divisor is not None:  # as float64 bits: every rank must divide by the same number
+        mine[0, 3] = 1
+        mine[0, 4] = torch.tensor([float(divisor)], dtype=torch.float64).view(torch.long)[0]
     device = _collective_device(run)
     shares = [mine]
     if run.ring.group is not None:
         shares = [torch.empty_like(mine, device=device) for _ in range(size)]
         dist.all_gather(shares, mine.to(device), group=run.ring.group)
-    everyone = torch.stack([s.cpu() for s in shares])  # [ranks, batch, 3 + widest]
+    everyone = torch.stack([s.cpu() for s in shares])  # [ranks, batch, HEAD + widest]
     whole = torch.full((batch, layout.length), -1, dtype=torch.long)
     for rank in range(size):
-        whole[:, layout.positions(rank)] = everyone[rank, :, 3 : 3 + layout.local_length(rank)]
+        whole[:, layout.positions(rank)] = everyone[rank, :, HEAD : HEAD + layout.local_length(rank)]
     padding = torch.stack([everyone[:, :, 0].amax(0), -everyone[:, :, 1].amax(0)])
-    return whole, padding, everyone[:, :, 2].sum()
+    divisors = {tuple(everyone[rank, 0, 3:5].tolist()) for rank in range(size)}
+    return whole, padding, everyone[:, 0, 2].sum(), len(divisors) > 1
 
 
 def _collective_device(run: ContextRun) -> torch.device:
@@ -86,11 +107,18 @@ def _documents(whole: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
     return None if all(s == (0,) for s in starts) else starts
 
 
-def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor) -> None:
+def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor, batch: int) -> None:
     """This rank's inputs inside a block, or SettingError naming what is wrong (agreed by the caller).
-    `padding`: per row, (the last kept position, the first padded one) over the whole sequence."""
+    `padding`: per row, (the last kept position, the first padded one) over the whole sequence; `batch`: the most
+    rows any per-token input has."""
     local, length = run.layout.local_length(run.rank), run.layout.length
-    for name, value in kwargs.items():  # a tensor of the batch that was not cut: the buffers left it out
+    for name in PER_TOKEN:  # a tensor of the batch that was not cut: the buffers left it out
+        value = kwargs.get(name)
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[0] not in (1, batch):
+            raise SettingError(
+                f"context parallelism: {name} has {value.shape[0]} rows where the batch has {batch}: every per-token "
+                "input of a forward holds the same rows"
+            )
         if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == length != local:
             raise SettingError(
                 f"context parallelism: {name} holds the whole sequence's {length} tokens, but this rank holds "
@@ -118,10 +146,10 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor) -> None:
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         raise SettingError(f"context parallelism takes a 2-D attention_mask (padding), not a {mask.dim()}-D one")
-    if mask is not None and mask.shape[-1] != local:
+    if mask is not None and (mask.shape[-1] != local or mask.shape[0] != batch):
         raise SettingError(
-            f"context parallelism: the attention_mask holds {mask.shape[-1]} tokens, not this rank's {local}: "
-            "cut it with the other buffers"
+            f"context parallelism: the attention_mask is {tuple(mask.shape)}, not this rank's ({batch}, {local}): "
+            "cut it with the other buffers, one row per sequence"
         )
     if bool((padding[0] >= padding[1]).any()):
         raise SettingError(
@@ -129,10 +157,10 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor) -> None:
             "keeps (left padding, or holes). Pad sequences on the right (tokenizer.padding_side = 'right')"
         )
     shift = kwargs.get("shift_labels")
-    if shift is not None and shift.shape[-1] != local:
+    if shift is not None and (shift.shape[-1] != local or shift.shape[0] != batch):
         raise SettingError(
-            f"context parallelism: shift_labels hold {shift.shape[-1]} tokens, not this rank's {local}: cut them "
-            "with the other buffers"
+            f"context parallelism: shift_labels are {tuple(shift.shape)}, not this rank's ({batch}, {local}): cut "
+            "them with the other buffers, one row per sequence"
         )
     if mask is not None and shift is not None:
         padded = ~mask.bool()
@@ -160,8 +188,9 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor) -> None:
         )
 
 
-def buffer_problem(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> str | None:
-    """What is wrong with a block's buffers on this rank, or None: each is cut in place, once, along its dim."""
+def buffer_problem(buffers: Sequence[torch.Tensor], dims: Sequence[int], in_place: bool = True) -> str | None:
+    """What is wrong with a block's buffers on this rank, or None: each is cut once along its dim, `in_place` as
+    accelerate's `maybe_context_parallel` contract has it (else the caller replaces them)."""
     if len(buffers) != len(dims):
         return f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims"
     if not buffers:
@@ -172,10 +201,16 @@ def buffer_problem(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> str 
             return f"buffer {i} is a {type(b).__name__}, not a tensor"
         if not -b.dim() <= d < b.dim():
             return f"buffer {i} has {b.dim()} dims, so buffer_seq_dims[{i}] = {d} is not one of them"
+        if in_place and b.requires_grad:
+            return (
+                f"buffer {i} requires grad (embeddings computed in this step?): buffers are cut in place, which "
+                "autograd refuses for it. Pass input_ids instead, or hf_rtp.context_parallel(model, batch), which "
+                "cuts out of place"
+            )
         if id(b) in seen and seen[id(b)][1] != d % b.dim():
             return f"buffer {i} is buffer {seen[id(b)][0]} again, cut along another dim"
         seen.setdefault(id(b), (i, d % b.dim()))
-    distinct = [buffers[i] for i, _ in seen.values()]
+    distinct = [buffers[i] for i, _ in seen.values()] if in_place else []  # out of place, views are harmless
     for i, a in enumerate(distinct):
         for b in distinct[i + 1 :]:
             if _overlap(a, b):
