@@ -261,7 +261,8 @@ def _compute_loss(self, model, inputs, *args, **kwargs):
     loss declared to the block, and the options that compute the loss outside the model refused.
 
     Trainer follows torch's context parallelism: when it passes its count of label tokens (divided by cp_size)
-    it takes each rank's loss as its share and multiplies it by the processes. A forward in hf_rtp's block returns
+    it takes each rank's loss as its share (and, with average_tokens_across_devices, multiplies it by the
+    processes; without, its count is a ring's divided by cp_size). A forward in hf_rtp's block returns
     the whole sequence's loss (model/context/loss.py); `context.shares` makes it the ring's mean of the shares for
     this call, whose gradient is each rank's share's: Trainer's step and logged loss are then vanilla's."""
     own = type(self).compute_loss
