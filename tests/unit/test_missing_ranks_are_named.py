@@ -14,6 +14,7 @@ def test_gone_zombie_and_stopped_ranks_are_named_running_and_remote_ones_are_not
     running, stopped, zombie = (subprocess.Popen(["sleep", "60"]) for _ in range(3))
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
+        os.waitid(os.P_PID, stopped.pid, os.WSTOPPED | os.WNOWAIT)  # stopped now, not only signalled: /proc says T
         os.kill(zombie.pid, signal.SIGKILL)
         os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped: a zombie
         exited = subprocess.Popen(["true"])
