@@ -68,6 +68,16 @@ class SequenceLayout:
         pieces = [tensor.narrow(dim, g, n) for _, g, n in self.intervals(rank)]
         return torch.cat(pieces, dim) if pieces else tensor.narrow(dim, 0, 0).clone()
 
+    def unshard(self, shares, dim: int) -> torch.Tensor:
+        """The whole sequence along `dim` from every rank's tokens (`shard`'s inverse): shares[r] holds rank r's
+        tokens first along `dim`, padding after them allowed (an all-gather needs equal sizes)."""
+        first = shares[0]
+        whole = first.new_empty((*first.shape[:dim], self.length, *first.shape[dim + 1 :]))
+        for rank, share in enumerate(shares):
+            index = self.positions(rank, whole.device)
+            whole.index_copy_(dim, index, share.narrow(dim, 0, self.local_length(rank)))
+        return whole
+
     def rows(self, shapes: tuple[torch.Size, ...]) -> SpanLayout:
         """The ring layout of tensors whose dim 0 is every rank's tokens end to end (shapes: rank-independent
         trailing dims, dim 0 the whole sequence)."""

@@ -23,6 +23,10 @@ def test_ranks_hold_chunks_r_and_2n_minus_1_minus_r_and_all_tokens_once(length, 
     for rank in range(size):
         assert torch.equal(layout.shard(seq, 1, rank)[0], layout.positions(rank) * 10)
         assert [c for c in layout.chunks_of(rank)] == [rank, 2 * size - 1 - rank]
+    widest = max(tokens)  # shares padded to one size, as an all-gather hands them back: unshard is shard's inverse
+    batch = torch.randn(2, length, 3)
+    shares = [torch.nn.functional.pad(layout.shard(batch, 1, r), (0, 0, 0, widest - tokens[r])) for r in range(size)]
+    assert torch.equal(layout.unshard(shares, 1), batch)
     # causal work per rank: pairs (query, key) with key <= query, balanced by the pairing
     work = [int(sum(p + 1 for p in layout.positions(r).tolist())) for r in range(size)]
     assert max(work) - min(work) <= length  # within one chunk's rows of each other, not a factor of 2N

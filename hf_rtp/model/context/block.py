@@ -205,8 +205,5 @@ def context_parallel_unshard(
         padded[:local] = part
         shares = [torch.empty_like(padded) for _ in range(size)]
         dist.all_gather(shares, padded.contiguous(), group=run.ring.group)
-        whole = part.new_empty((layout.length, *part.shape[1:]))
-        for rank, share in enumerate(shares):
-            whole[layout.positions(rank, whole.device)] = share[: layout.local_length(rank)]
-        wholes.append(whole.movedim(0, d))
+        wholes.append(layout.unshard(shares, 0).movedim(0, d))
     return wholes

@@ -86,9 +86,7 @@ def _gather(run: ContextRun, kwargs: dict, batch: int) -> tuple[torch.Tensor, to
         shares = [torch.empty_like(mine, device=device) for _ in range(size)]
         dist.all_gather(shares, mine.to(device), group=run.ring.group)
     everyone = torch.stack([s.cpu() for s in shares])  # [ranks, batch, HEAD + widest]
-    whole = torch.full((batch, layout.length), -1, dtype=torch.long)
-    for rank in range(size):
-        whole[:, layout.positions(rank)] = everyone[rank, :, HEAD : HEAD + layout.local_length(rank)]
+    whole = layout.unshard(list(everyone[:, :, HEAD:]), 1)
     padding = torch.stack([everyone[:, :, 0].amax(0), -everyone[:, :, 1].amax(0)])
     divisors = {tuple(everyone[rank, 0, 3:5].tolist()) for rank in range(size)}
     return whole, padding, everyone[:, 0, 2].sum(), len(divisors) > 1
