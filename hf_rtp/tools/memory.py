@@ -11,11 +11,14 @@ Each strategy's peak is the larger of two moments of a training step:
             (plus what the strategy keeps unsharded);
   optimizer step: parameters, gradients and optimizer state, plus two temporaries the size of the
             largest local parameter (AdamW's per-tensor arithmetic);
-plus `RUNTIME_BYTES` for what a step holds beyond tensors. RTP's estimate is for the fused LM-head
-loss (its default, no logits kept); `rtp-unfused` is for fused_loss=False. The terms and constants
-were set against `hf-rtp bench` on the 90M Llama preset (batch 2x128) and the 128k-vocabulary one
-(1x1024), and checked at shapes not used to set them (tests/unit/test_memory_estimate.py, against
-benchmarks/results); they are an estimate, not a bound.
+plus what the device holds beyond those tensors (`DeviceTerms`: `CPU` or `CUDA`). RTP's estimate is for the
+fused LM-head loss (its default, no logits kept; its tile is the device's, as `layers/fused_loss.py` picks it);
+`rtp-unfused` is for fused_loss=False. The terms and constants were set against `hf-rtp bench` on the 90M Llama
+preset (batch 2x128) and the 128k-vocabulary one (1x1024), on this project's CPU machine, and checked at shapes not
+used to set them (tests/unit/test_memory_estimate.py, against benchmarks/results); they are an estimate, not a
+bound. On CUDA the tensors are counted alike; what a CUDA process holds beside them (its context, cuBLAS's
+workspaces, NCCL's buffers, the caching allocator's segments) comes from the sources `CUDA` names, not from a
+measurement here.
 """
 
 from __future__ import annotations
@@ -24,17 +27,102 @@ import argparse
 import math
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..layers.fused_loss import BLOCK_BYTES  # the CPU tile: the estimate is set against the CPU bench
+from ..layers.fused_loss import ACCELERATOR_BLOCK_BYTES, BLOCK_BYTES
 from ..private.transformers_names import attention_implementation, no_split_modules, set_attention_implementation
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 RUNTIME_BYTES = 35e6  # allocator slack, autograd graph, index tensors: measured beside the tensors on CPU
 STRATEGIES = ("single", "ddp", "fsdp2", "tp", "rtp")
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class DeviceTerms:
+    """What a rank's device adds to the tensors the estimate counts."""
+
+    name: str
+    loss_tile: int
+    """bytes of float32 logits one tile of the fused loss holds (layers/fused_loss.py's block_bytes)"""
+    in_allocator: float
+    """held through the framework's allocator beyond the counted tensors, per process (on CUDA this shows in
+    torch.cuda.max_memory_allocated and _reserved)"""
+    context: float = 0.0
+    """held outside the allocator, per process (the CUDA context: nvidia-smi shows it, torch's counters do not)"""
+    per_group: float = 0.0
+    """held outside the allocator per process group that carries this device's tensors (NCCL's buffers)"""
+
+
+CPU = DeviceTerms("cpu", BLOCK_BYTES, RUNTIME_BYTES)
+"""Host memory, as `hf-rtp bench` measures it on a CPU (VmRSS): the 35 MB were measured there, with the tensors."""
+
+# What a CUDA process holds beside its tensors. Each figure is an estimate from the source named, not measured by
+# this project (its CI has no GPU); .ci/gpu's bench prints max_memory_allocated and max_memory_reserved beside it.
+CUDA_CONTEXT_BYTES = 500e6
+"""The CUDA context and the kernels loaded into it: 287 MB just after creation with lazy module loading (pytorch
+#86509, CUDA 11.7), about 400 MB (pytorch #109888), 426 MiB for torch 2.10 with CUDA 13.0 on an RTX 6000 Ada
+(unsloth-zoo #1053); rounded up for the kernels a training step loads lazily (cuBLAS, attention, the optimizer)."""
+CUBLAS_WORKSPACE_BYTES = 4 * 32 * MiB
+"""torch keeps one cuBLAS workspace per handle and stream, from its caching allocator (pytorch's
+CublasHandlePool.cpp), and a thread gets its own handles: the forward's thread and autograd's backward thread,
+each with a cuBLAS and a cuBLASLt handle, at the 32 MiB cuBLAS recommends on Hopper (cublasSetWorkspace's docs;
+4 MiB before Hopper). An upper figure for H100 and H200."""
+ALLOCATOR_SEGMENT_BYTES = 2 * (20 + 2) * MiB
+"""torch's caching allocator holds memory in segments: requests of 1 to 10 MiB share 20 MiB segments, smaller ones
+2 MiB segments, larger ones are rounded up to 2 MiB (kLargeBuffer, kSmallBuffer, kRoundLarge in
+c10/cuda/CUDACachingAllocator.cpp), per stream: one partly used segment of each kind on the compute stream and on
+a communication stream. A training loop that repeats its shapes reuses its blocks (torch's CUDA semantics notes,
+expandable_segments); fragmentation beyond that, as when shapes change from step to step, is not estimated
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True keeps it small)."""
+NCCL_CONNECTION_BYTES = 4 * MiB + 4_915_200 + 524_288
+"""NCCL's buffers for one connection on one channel: its SIMPLE protocol's NCCL_BUFFSIZE (4 MiB, NCCL's env.rst),
+LL128's and LL's defaults (DEFAULT_LL128_BUFFSIZE and DEFAULT_LL_BUFFSIZE in NCCL 2.30's src/init.cc); NVIDIA/nccl
+#1685 saw NCCL allocate 10 MiB per connection and channel between H100s."""
+NCCL_CHANNELS = 16
+"""Channels of one communicator between NVLink GPUs (NCCL picks by topology: a few over PCIe, up to 32 on H100
+NVLink); its memory grows linearly with them (NVIDIA/nccl #864, #986). An assumption, not a reading."""
+NCCL_GROUP_BYTES = 2 * NCCL_CHANNELS * NCCL_CONNECTION_BYTES
+"""One communicator that carries CUDA tensors: a connection to the previous and the next rank per channel, as
+a ring (or the ring's point-to-point sends) uses them; about 0.31 GB."""
+CUDA = DeviceTerms(
+    "cuda",
+    ACCELERATOR_BLOCK_BYTES,
+    CUBLAS_WORKSPACE_BYTES + ALLOCATOR_SEGMENT_BYTES,
+    context=CUDA_CONTEXT_BYTES,
+    per_group=NCCL_GROUP_BYTES,
+)
+DEVICES = {"cpu": CPU, "cuda": CUDA}
+# Process groups whose collectives carry a strategy's CUDA tensors, each its own NCCL communicator: DDP's, FSDP2's
+# and TP's world; RTP's ring (point to point) and its mesh (replicated gradients, DTensor ops); HSDP's shard and
+# replicate groups. Rings of K with replicas add the replicas' group (`_groups`).
+GROUPS = {"single": 0, "ddp": 1, "fsdp2": 1, "tp": 1, "rtp": 2, "rtp-unfused": 2, "rtp-cp": 2, "hsdp": 2}
+
+
+def device_terms(device: str) -> DeviceTerms:
+    """`CPU` or `CUDA` by name ("cuda:0" counts as "cuda")."""
+    kind = device.split(":")[0]
+    if kind not in DEVICES:
+        raise ValueError(f"the estimate knows the devices {', '.join(DEVICES)}, not {device!r}")
+    return DEVICES[kind]
+
+
+def outside_allocator(strategy: str, world_size: int, device: str, rtp_size: int | None = None) -> float:
+    """What `estimate(..., device=device)[strategy]` counts outside the framework's allocator: the CUDA context and
+    NCCL's buffers (none on a CPU). Subtract it to compare with torch.cuda.max_memory_allocated or _reserved."""
+    terms = device_terms(device)
+    return terms.context + _groups(strategy, world_size, rtp_size) * terms.per_group
+
+
+def _groups(strategy: str, world_size: int, rtp_size: int | None) -> int:
+    if world_size == 1:
+        return 0  # world size 1 is plain PyTorch: no process group
+    replicas = rtp_size is not None and rtp_size < world_size and strategy.startswith("rtp")
+    return GROUPS.get(strategy, 1) + replicas
 
 
 def load_config(model_or_config: str):
@@ -206,14 +294,21 @@ def estimate(
     gradient_checkpointing: bool = False,
     rtp_size: int | None = None,
     autocast: bool = False,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
+
+    `device`: "cpu" (the default: the terms `hf-rtp bench` measured on this project's CPU machine) or "cuda"
+    (the fused loss's CUDA tile, and what a CUDA process holds beyond its tensors: `CUDA`). On CUDA each figure
+    is the device memory one rank's process takes (what nvidia-smi shows for it); `outside_allocator` says how
+    much of it torch's memory counters do not see.
 
     With `rtp_size` K below the world size, RTP runs as rings of K (a rank holds 1/K of the rotated
     weights, as on a flat ring of K) and an `hsdp` entry is added: FSDP2 sharding over K ranks.
     `autocast`: bf16 autocast over `dtype` weights. What travels then is counted in bf16: RTP's weight
     slots (but an embedding's lookup, float32 as vanilla's), FSDP2's gathered layers (its
     MixedPrecisionPolicy). Activations are still counted in `dtype`, an overestimate under autocast."""
+    terms = device_terms(device)
     dtype = _dtype(dtype)
     size = dtype.itemsize
     k = OPTIMIZER_STATES[optimizer]
@@ -228,7 +323,7 @@ def estimate(
     def peak(held: float, largest_local: float, activations: float, logits: float = logits) -> float:
         step = (2 + k) * held + 2 * largest_local
         backward = (1 + k) * held + activations + 2 * logits
-        return max(step, backward) + RUNTIME_BYTES
+        return max(step, backward) + terms.in_allocator
 
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -247,7 +342,7 @@ def estimate(
     fused = (
         _activations(model, batch, seq, False, gradient_checkpointing)
         + batch * seq * (config.hidden_size * size + 8)
-        + 3 * min(BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / ring) * 4)
+        + 3 * min(terms.loss_tile, batch * seq * math.ceil(config.vocab_size / ring) * 4)
     )
     single = peak(total, largest, saved)
 
@@ -261,7 +356,7 @@ def estimate(
                 (2 + k) * total / shards + 2 * largest / shards,
                 (1 + k) * total / shards + (root + 2 * layer) * gathered + saved + max(2 * logits, root),
             )
-            + RUNTIME_BYTES
+            + terms.in_allocator
         )
 
     result = {
@@ -271,7 +366,7 @@ def estimate(
         "fsdp2": fsdp2(n),
         # every rank runs the whole batch and gathers the full logits: their gradient and this rank's
         # slice of it coexist with the saved activations and all of its model states
-        "tp": (2 + k) * tp_local * size + saved + logits * (1 + 1 / n) + RUNTIME_BYTES,
+        "tp": (2 + k) * tp_local * size + saved + logits * (1 + 1 / n) + terms.in_allocator,
         "rtp": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
         "rtp-unfused": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
     }
@@ -280,7 +375,7 @@ def estimate(
             peak(
                 rtp_local * size,
                 rtp_largest * size,
-                _context_parallel(model, batch, seq, ring, size, gradient_checkpointing),
+                _context_parallel(model, batch, seq, ring, size, gradient_checkpointing, terms.loss_tile),
                 logits=0,
             )
             + pool
@@ -288,10 +383,14 @@ def estimate(
         )
     if ring < n:
         result["hsdp"] = fsdp2(ring)
+    for strategy in result:
+        result[strategy] += outside_allocator(strategy, 1 if strategy == "single" else n, device, rtp_size)
     return result
 
 
-def _context_parallel(model: Any, batch: int, seq: int, ring: int, size: int, gradient_checkpointing: bool) -> float:
+def _context_parallel(
+    model: Any, batch: int, seq: int, ring: int, size: int, gradient_checkpointing: bool, tile: int
+) -> float:
     """The fused loss's activations when each rank holds 1/ring of every sequence (context parallelism): the
     ring attention keeps what a fused kernel keeps (q, k, v, output, log-sum-exp) for the rank's tokens."""
     local = math.ceil(seq / ring)
@@ -299,7 +398,7 @@ def _context_parallel(model: Any, batch: int, seq: int, ring: int, size: int, gr
     return (
         _activations(model, batch, local, False, gradient_checkpointing)
         + batch * local * (config.hidden_size * size + 8)
-        + 3 * min(BLOCK_BYTES, batch * local * math.ceil(config.vocab_size / ring) * 4)
+        + 3 * min(tile, batch * local * math.ceil(config.vocab_size / ring) * 4)
     )
 
 
@@ -357,6 +456,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
     p.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        default="cuda",
+        help="what each rank trains on (default cuda): on cuda the fused loss's CUDA tile, and per process the CUDA "
+        "context, cuBLAS's workspaces, NCCL's buffers and the caching allocator's segments (estimated, from the "
+        "sources hf_rtp.tools.memory names); cpu: host memory, as hf-rtp bench measures it on a CPU",
+    )
+    p.add_argument(
         "--autocast",
         action="store_true",
         help="bf16 autocast over --dtype weights: RTP's ring and FSDP2's gathers carry bf16",
@@ -372,6 +479,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="QLoRA: a frozen NF4 base (double quantization), LoRA on every linear layer, AdamW on the adapters",
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA's r, with --load-in-4bit")
+
+
+def device_note(device: str) -> str:
+    """The line `hf-rtp estimate` prints about what its figures hold beyond the tensors."""
+    terms = device_terms(device)
+    if terms is CPU:
+        return "  on a CPU: host memory per rank, with the 35 MB a step holds beyond its tensors (measured here)"
+    return (
+        f"  on CUDA, per rank's process: the tensors, {terms.in_allocator / 1e9:.2f} GB of cuBLAS workspaces and "
+        f"allocator segments, a {terms.context / 1e9:.2f} GB CUDA context and {terms.per_group / 1e9:.2f} GB of "
+        "NCCL buffers per process group (estimated from published figures, not measured)"
+    )
 
 
 def main(argv=None) -> dict[str, float]:
@@ -394,6 +513,7 @@ def main(argv=None) -> dict[str, float]:
         gradient_checkpointing=args.gradient_checkpointing,
         rtp_size=args.rtp_size,
         autocast=args.autocast,
+        device=args.device,
     )
     states = model_states_bytes(config, args.dtype, args.optimizer)
     print(
@@ -401,6 +521,7 @@ def main(argv=None) -> dict[str, float]:
         f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
         + (f" as {args.world_size // args.rtp_size} replicas of {args.rtp_size}-rank rings" if args.rtp_size else "")
     )
+    print(device_note(args.device))
     for strategy, value in result.items():
         note = {
             "single": "   (1 process)",

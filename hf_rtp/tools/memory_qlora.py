@@ -19,7 +19,8 @@ has run, as PEFT's recipe runs it, bf16 in FSDP-QLoRA recipes. The strategies di
 
 Activations are the full fine-tuning ones (memory.py's meta forward): each LoRA layer keeps its input as
 a trained linear layer would. Checked against two measurements (tests/unit/test_memory_estimate.py):
-- PEFT's published FSDP-QLoRA run of Llama-2-70B on 2 GPUs, 35.6 GB per GPU: the FSDP2 estimate is 36.2 GB;
+- PEFT's published FSDP-QLoRA run of Llama-2-70B on 2 GPUs, 35.6 GB per GPU: the FSDP2 estimate is 37.2 GB with
+  CUDA's terms (memory.CUDA: the CUDA context, NCCL's buffers, cuBLAS's workspaces; 36.2 GB without them);
 - `hf-rtp bench --load-in-4bit` on the 90M preset at 2 and 4 ranks (host VmRSS, CPU): FSDP2 1.01x the measured
   peak, DDP 0.82x (its measured peak holds checkpoint pages vanilla's load leaves mapped), RTP 1.24-1.28x (its
   fixed per-step buffers, ~110 MB, are not all alive at once); the RTP estimate errs high.
@@ -63,11 +64,14 @@ def estimate_qlora(
     dtype: str | torch.dtype = "float32",
     compute_dtype: str | torch.dtype | None = None,
     piece_bytes: int = 16 * 10**6,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Estimated peak bytes per rank of QLoRA training under DDP, FSDP2 (FSDP-QLoRA) and RTP. `dtype`: the
     unquantized weights, adapters and activations (float32 once prepare_model_for_kbit_training has run, as PEFT's
     recipe runs it; bfloat16 where the model is loaded so and that step skipped, as FSDP-QLoRA recipes do);
-    `compute_dtype`: bnb_4bit_compute_dtype, what a dequantized weight is held in (default: `dtype`)."""
+    `compute_dtype`: bnb_4bit_compute_dtype, what a dequantized weight is held in (default: `dtype`); `device`:
+    "cpu" or "cuda", what memory.estimate's `device` says."""
+    terms = memory.device_terms(device)
     compute = memory._dtype(compute_dtype or dtype)
     model = memory._meta_model(config, memory._dtype(dtype))
     width = memory._dtype(dtype).itemsize
@@ -83,7 +87,7 @@ def estimate_qlora(
     activations = memory._activations(model, batch, seq, True, gradient_checkpointing)
     logits = batch * seq * config.vocab_size * 4
     adapters = 4 * lora  # weight, gradient, two AdamW moments
-    working = DEQUANTIZED_TEMPORARIES * largest + memory.RUNTIME_BYTES
+    working = DEQUANTIZED_TEMPORARIES * largest + terms.in_allocator
 
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers) * width
@@ -100,17 +104,18 @@ def estimate_qlora(
         + working
     )
     if n == 1:
-        return {"ddp": ddp, "fsdp2": ddp - lora, "rtp": ddp - lora}
+        alone = {"ddp": ddp, "fsdp2": ddp - lora, "rtp": ddp - lora}
+        return {s: v + memory.outside_allocator(s, 1, device) for s, v in alone.items()}
     slot = min(piece_bytes, math.ceil(max(root, 2 * layer_packed) / n))  # a piece of packed rows or floats
     pool = (1 if n == 2 else 2) * slot
     fused = (
         memory._activations(model, batch, seq, False, gradient_checkpointing)
         + batch * seq * (config.hidden_size * width + 8)
-        + 3 * min(memory.BLOCK_BYTES, batch * seq * math.ceil(config.vocab_size / n) * 4)
+        + 3 * min(terms.loss_tile, batch * seq * math.ceil(config.vocab_size / n) * 4)
     )
     # hf_rtp keeps each rank's scales as float32 (double quantization dequantized once, at load)
     rtp = (packed + q_elems * 4 / BLOCK + floats) / n + adapters + pool + fused + working
-    return {"ddp": ddp, "fsdp2": fsdp2, "rtp": rtp}
+    return {s: v + memory.outside_allocator(s, n, device) for s, v in {"ddp": ddp, "fsdp2": fsdp2, "rtp": rtp}.items()}
 
 
 # The setting of PEFT's published FSDP-QLoRA run (docs/source/accelerate/fsdp.md, "Memory usage"): Llama-2-70B on
@@ -134,7 +139,7 @@ def llama2_70b():
 
 
 def table(world_sizes=(2, 4, 8)) -> str:
-    """docs/benchmarks.md's QLoRA estimate for Llama-3 8B and 70B, in PEFT's published setting."""
+    """docs/benchmarks.md's QLoRA estimate for Llama-3 8B and 70B on GPUs, in PEFT's published setting."""
     from .cost import llama3
 
     rows = [
@@ -145,7 +150,7 @@ def table(world_sizes=(2, 4, 8)) -> str:
     for name, config in named:
         memory.set_attention_implementation(config, "sdpa")  # flash attention's memory: no [seq, seq] scores
         for n in world_sizes if name != "Llama-2-70B" else (2,):
-            e = estimate_qlora(config, n, **PUBLISHED)  # type: ignore[arg-type]
+            e = estimate_qlora(config, n, **PUBLISHED, device="cuda")  # type: ignore[arg-type]
             rows.append(
                 f"| {name} | {n} | {e['ddp'] / 1e9:.1f} | {e['fsdp2'] / 1e9:.1f} | {e['rtp'] / 1e9:.1f} "
                 f"| {e['rtp'] / e['fsdp2']:.2f}x |"
@@ -173,6 +178,7 @@ def main(argv=None) -> dict[str, float]:
         lora_rank=args.lora_rank,
         gradient_checkpointing=args.gradient_checkpointing,
         dtype=args.dtype,
+        device=args.device,
     )
     print(
         f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW); "

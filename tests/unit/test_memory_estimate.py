@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from hf_rtp.tools import memory
@@ -118,10 +119,12 @@ def test_architecture_without_a_plan_is_estimated_with_the_automatic_plan():
 
 STORED = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "results")
 STORED_RUNS = [(path, json.loads(Path(path).read_text())) for path in sorted(glob.glob(os.path.join(STORED, "*.json")))]
+# this project's CPU bench runs, which set the CPU terms (a GPU run's results would be checked against CUDA's)
+ON_CPU = [(path, run) for path, run in STORED_RUNS if "results" in run and run["settings"].get("device") == "cpu"]
 RESULTS = [
-    path for path, run in STORED_RUNS if "results" in run and not run["settings"].get("load_in_4bit")
+    path for path, run in ON_CPU if not run["settings"].get("load_in_4bit")
 ]  # not the --budget-gb runs, nor QLoRA's (--load-in-4bit): checked against estimate_qlora below
-QLORA_RESULTS = [path for path, run in STORED_RUNS if "results" in run and run["settings"].get("load_in_4bit")]
+QLORA_RESULTS = [path for path, run in ON_CPU if run["settings"].get("load_in_4bit")]
 
 
 def test_the_stored_bench_results_are_found():
@@ -149,6 +152,7 @@ def test_estimate_is_within_15_percent_of_every_measured_strategy(path):
             dtype=settings["dtype"],
             gradient_checkpointing=settings.get("gradient_checkpointing", False),
             rtp_size=row["rtp_size"] if grid else None,
+            device="cpu",  # host memory on this project's CPU machine, as measured
         )
         strategy = "rtp" if grid else "rtp-cp" if row["strategy"] == "rtp-cp-same-tokens" else row["strategy"]
         if strategy in estimates:  # not the zero-loss run, which only measures the loss's share
@@ -182,6 +186,7 @@ def test_the_qlora_estimate_stays_in_its_measured_band_for_every_strategy(path):
             seq=settings["seq"],
             gradient_checkpointing=settings["gradient_checkpointing"],
             dtype=settings["dtype"],
+            device="cpu",
         )
         estimated[row["strategy"]], measured[row["strategy"]] = estimates[row["strategy"]] / 1e9, row["peak_gb"]
         low, high = QLORA_BANDS[row["strategy"]]
@@ -192,12 +197,12 @@ def test_the_qlora_estimate_stays_in_its_measured_band_for_every_strategy(path):
 
 def test_the_fsdp_qlora_estimate_matches_peft_s_published_70b_run():
     """The one GPU measurement at hand: PEFT's FSDP-QLoRA of Llama-2-70B on 2 GPUs took 35.6 GB per GPU
-    (docs/source/accelerate/fsdp.md of PEFT) in the setting PUBLISHED spells out."""
+    (docs/source/accelerate/fsdp.md of PEFT) in the setting PUBLISHED spells out; estimated with CUDA's terms."""
     from hf_rtp.tools.memory_qlora import PUBLISHED, PUBLISHED_FSDP_QLORA_GB, estimate_qlora, llama2_70b
 
     config = llama2_70b()
     memory.set_attention_implementation(config, "sdpa")
-    estimate = estimate_qlora(config, 2, **PUBLISHED)["fsdp2"] / 1e9
+    estimate = estimate_qlora(config, 2, **PUBLISHED, device="cuda")["fsdp2"] / 1e9  # type: ignore[arg-type]
     assert estimate == pytest.approx(PUBLISHED_FSDP_QLORA_GB, rel=0.1)
 
 
@@ -218,7 +223,7 @@ def test_the_qlora_estimate_shards_what_each_strategy_shards(config_only, capsys
     assert estimate_qlora(config, 2, lora_rank=64)["rtp"] > two["rtp"]  # bigger adapters, replicated
     from hf_rtp.tools.memory_qlora import main
 
-    printed = main([str(config_only), "--world-size", "2", "--load-in-4bit"])
+    printed = main([str(config_only), "--world-size", "2", "--load-in-4bit", "--device", "cpu"])
     assert printed == two and "QLoRA (NF4 base, LoRA r=16" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--load-in-4bit estimates one flat ring"):
         main([str(config_only), "--world-size", "4", "--rtp-size", "2", "--load-in-4bit"])
@@ -234,3 +239,53 @@ def test_context_parallelism_divides_the_activations_not_the_model_states(config
     activations = long["rtp"] - short["rtp"]  # what 31x more tokens cost RTP, every one on each rank
     assert long["rtp-cp"] - short["rtp-cp"] == pytest.approx(activations / 2, rel=0.15)
     assert memory.estimate(config, 4, batch=1, seq=8192)["rtp-cp"] < long["rtp-cp"]
+
+
+def test_a_cuda_estimate_counts_the_cuda_tile_and_what_a_cuda_process_holds_beyond_its_tensors():
+    """On CUDA the fused loss's tile is the one layers/fused_loss.py picks there (256 MiB, not the CPU's 16), and
+    each rank's process holds its CUDA context, cuBLAS's workspaces and the allocator's segments, plus NCCL's
+    buffers per process group its strategy talks on: none for one process, one for DDP and FSDP2, two for RTP
+    (the ring and its mesh). The CPU estimate holds none of these."""
+    from hf_rtp.layers.fused_loss import block_bytes
+
+    assert memory.CUDA.loss_tile == block_bytes(torch.device("cuda")) == 256 * 2**20
+    assert memory.CPU.loss_tile == block_bytes(torch.device("cpu")) == 16 * 2**20
+    config = LlamaConfig(**PRESETS["llama-128k"])  # at 1x4096 a rank's logits exceed three CUDA tiles
+    cpu, cuda = (memory.estimate(config, 2, batch=1, seq=4096, device=d) for d in ("cpu", "cuda"))
+    beside = memory.CUDA.in_allocator - memory.CPU.in_allocator + memory.CUDA.context
+    group = memory.CUDA.per_group
+    assert cuda["single"] - cpu["single"] == pytest.approx(beside)
+    for strategy in ("ddp", "fsdp2", "tp"):
+        assert cuda[strategy] - cpu[strategy] == pytest.approx(beside + group), strategy
+    assert cuda["rtp-unfused"] - cpu["rtp-unfused"] == pytest.approx(beside + 2 * group)
+    tiles = 3 * (memory.CUDA.loss_tile - memory.CPU.loss_tile)  # the fused loss holds three tiles at its peak
+    assert cuda["rtp"] - cpu["rtp"] == pytest.approx(beside + 2 * group + tiles)
+    # rings of 2 with replicas talk on the replicas' group too; what torch's counters miss is named apart
+    grid = memory.estimate(config, 4, batch=1, seq=4096, rtp_size=2, device="cuda")
+    assert memory.outside_allocator("rtp", 4, "cuda", rtp_size=2) == memory.CUDA.context + 3 * group
+    assert grid["rtp"] - memory.outside_allocator("rtp", 4, "cuda", rtp_size=2) == pytest.approx(
+        cuda["rtp"] - memory.outside_allocator("rtp", 2, "cuda")
+    )
+    # QLoRA alike: DDP's one group, RTP's two
+    from hf_rtp.tools.memory_qlora import estimate_qlora
+
+    small = LlamaConfig(**PRESETS["llama-tiny"])
+    q_cpu, q_cuda = (estimate_qlora(small, 2, device=d) for d in ("cpu", "cuda"))
+    assert q_cuda["ddp"] - q_cpu["ddp"] == pytest.approx(beside + group)
+    assert q_cuda["rtp"] - q_cpu["rtp"] >= beside + 2 * group
+
+
+def test_the_cpu_terms_are_the_ones_the_cpu_bench_measured_and_nothing_is_held_outside_them(config_only, capsys):
+    assert memory.device_terms("cpu") is memory.CPU and memory.device_terms("cuda:1") is memory.CUDA
+    assert memory.CPU.in_allocator == memory.RUNTIME_BYTES and memory.CPU.context == memory.CPU.per_group == 0
+    for strategy in (*memory.STRATEGIES, "rtp-unfused", "rtp-cp", "hsdp"):
+        assert memory.outside_allocator(strategy, 4, "cpu", rtp_size=2) == 0
+    assert memory.outside_allocator("rtp", 1, "cuda") == memory.CUDA.context  # world size 1: no process group
+    with pytest.raises(ValueError, match="knows the devices cpu, cuda, not 'mps'"):
+        memory.estimate(memory.load_config(str(config_only)), 2, device="mps")
+    # the command estimates for GPUs unless told otherwise, and says what its figures hold
+    config = memory.load_config(str(config_only))
+    assert memory.main([str(config_only), "--world-size", "2"]) == memory.estimate(config, 2, device="cuda")
+    assert "CUDA context" in capsys.readouterr().out
+    assert memory.main([str(config_only), "--world-size", "2", "--device", "cpu"]) == memory.estimate(config, 2)
+    assert "on a CPU: host memory" in capsys.readouterr().out

@@ -99,6 +99,7 @@ CLI = {
         "--steps": 5,
         "--dtype": "float32",
         "--device": "cpu",
+        "--backend": None,
         "--threads": 1,
         "--output": "bench-out",
         "--timeout": 1800,
@@ -126,6 +127,7 @@ CLI = {
         "--attn-implementation": None,
         "--load-in-4bit": False,
         "--lora-rank": 16,
+        "--device": "cuda",
     },
 }
 

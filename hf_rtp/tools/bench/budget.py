@@ -4,6 +4,8 @@ What a user picks a strategy by: how many tokens per second each one trains at t
 The estimate proposes the largest batch per rank it expects to fit; the bench then measures that
 batch and steps down one sequence at a time until the measured peak is within the budget, so every
 reported batch was seen to fit. A strategy that does not fit even one sequence is reported as such.
+On a GPU the budget bounds what the bench measures there, what torch's allocator hands out
+(max_memory_allocated); the CUDA context and NCCL's buffers come on top (`hf-rtp estimate` counts them).
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ SEQ_STEP = 256  # --long-sequence: lengths searched in steps of this many tokens
 MAX_SEQ = 1 << 17
 
 
+def _measured_part(estimate: float, strategy: str, world_size: int, args, rtp_size: int | None = None) -> float:
+    """What of an estimate the bench measures: all of it on a CPU (VmRSS); on a GPU what torch's allocator hands
+    out (max_memory_allocated), without the CUDA context and NCCL's buffers beside it."""
+    return estimate - memory.outside_allocator(strategy, world_size, args.device, rtp_size)
+
+
 def largest_batch(config, strategy: str, world_size: int, args) -> int:
     """The largest batch per rank whose estimate fits the budget (0 when none does)."""
     fits = 0
     for batch in range(1, MAX_BATCH + 1):
         grid = strategy == "rtp-2d"  # estimated as RTP on rings of --rtp-size
+        rtp_size = args.rtp_size if grid else None
+        key = "rtp" if grid else strategy
         estimate = memory.estimate(
             config,
             world_size,
@@ -31,9 +41,10 @@ def largest_batch(config, strategy: str, world_size: int, args) -> int:
             dtype=args.dtype,
             gradient_checkpointing=args.gradient_checkpointing,
             autocast=args.autocast,
-            rtp_size=args.rtp_size if grid else None,
-        )["rtp" if grid else strategy]
-        if estimate / 1e9 > args.budget_gb:
+            rtp_size=rtp_size,
+            device=args.device,
+        )[key]
+        if _measured_part(estimate, key, world_size, args, rtp_size) / 1e9 > args.budget_gb:
             break
         fits = batch
     return fits
@@ -45,9 +56,9 @@ def longest_sequence(config, strategy: str, world_size: int, args) -> int:
     while seq <= MAX_SEQ:
         estimate = memory.estimate(
             config, world_size, batch=1, seq=seq, dtype=args.dtype,
-            gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
+            gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast, device=args.device,
         )[strategy]  # fmt: skip
-        if estimate / 1e9 > args.budget_gb:
+        if _measured_part(estimate, strategy, world_size, args) / 1e9 > args.budget_gb:
             break
         fits, seq = seq, seq + SEQ_STEP
     return fits

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from .processes import peak_between, run_ranks
+from .processes import device_args, peak_between, run_ranks
 
 # rtp-weights: hf_rtp with rotation_moves="weights", every op walking its weights as in training (how hf_rtp
 # decoded before ops could move the tokens); rtp-whole: hf_rtp's model, decoding on hf_rtp.whole_model's gathered
@@ -32,8 +32,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]
         str(args.seq),
         "--dtype",
         args.dtype,
-        "--device",
-        args.device,
+        *device_args(args),
         "--threads",
         str(args.threads),
         "--generate",
@@ -49,7 +48,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> list[dict]
     rows = []
     for k, run in enumerate(reports[0]["decode"]):
         per_rank = [r["decode"][k] for r in reports]
-        if args.device == "cuda":
+        if args.device.startswith("cuda"):
             peak = max(p["cuda_peak"] for p in per_rank)
         else:
             peak = max(

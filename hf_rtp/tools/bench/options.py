@@ -5,7 +5,8 @@
 Each strategy runs in fresh processes (one per rank, gloo on CPU) that load the checkpoint, then
 train warm-up + measured steps of fp32 AdamW on random tokens. Reported per strategy and world size:
 peak memory per rank during training (CPU: VmRSS above the process's size before loading, sampled
-from outside every 2 ms; GPU: torch.cuda.max_memory_allocated), median step time, global tokens/s,
+from outside every 2 ms; GPU: torch.cuda.max_memory_allocated, and max_memory_reserved beside it), median
+step time, global tokens/s,
 load time and load peak, memory scaling efficiency, and hf_rtp's estimate beside the measurement.
 Writes a table to stdout, results.json and bench.png to --output.
 """
@@ -38,9 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="the weights' dtype, as torch names it (default float32)")
     p.add_argument(
         "--device",
-        choices=("cpu", "cuda"),
+        type=device,
         default="cpu",
-        help="cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank (default cpu)",
+        help="cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank (LOCAL_RANK); cuda:N: every rank on GPU "
+        "N, as a check on one GPU does (NCCL 2.30 or newer with NCCL_MULTI_RANK_GPU_ENABLE=1, or --backend "
+        "cpu:gloo,cuda:gloo) (default cpu)",
+    )
+    p.add_argument(
+        "--backend",
+        help="the backend every strategy's ranks start their process group with, as torch.distributed takes it "
+        "(gloo, nccl, cpu:gloo,cuda:nccl, ...; default: gloo on cpu, nccl on cuda)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--output", default="bench-out", help="folder for results.json and bench.png")
@@ -95,6 +103,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead: each strategy's largest batch per rank within this "
         "many GB per rank (estimated, then measured down until it fits), and its tokens/s",
     )
+
+
+def device(text: str) -> str:
+    """--device's value: cpu, cuda, or cuda:N."""
+    kind, _, index = text.partition(":")
+    if text in ("cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (every rank on GPU N), got {text!r}")
 
 
 def parser() -> argparse.ArgumentParser:

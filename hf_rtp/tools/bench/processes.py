@@ -63,6 +63,11 @@ def rank_only_env(rank: int, world_size: int, port: int) -> dict:
     }
 
 
+def device_args(args) -> list[str]:
+    """The worker's --device and --backend, as `hf-rtp bench` was given them."""
+    return ["--device", args.device] + (["--backend", args.backend] if getattr(args, "backend", None) else [])
+
+
 def rank_env(rank: int, world_size: int, port: int, threads: int = 1, extra: dict | None = None) -> dict:
     return {**common_env(threads, extra), **rank_only_env(rank, world_size, port)}
 

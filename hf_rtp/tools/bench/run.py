@@ -4,6 +4,7 @@ command's help, which it parses without importing this module)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -12,7 +13,7 @@ from .. import memory
 from ..memory_qlora import estimate_qlora
 from . import options
 from .presets import make_preset
-from .processes import peak_between, preloaded_ranks, run_ranks
+from .processes import device_args, peak_between, preloaded_ranks, run_ranks
 from .worker import LORA_RANK, SHARED_BATCH, STRATEGIES, VARIANTS
 
 SAME_TOKENS = "rtp-cp-same-tokens"
@@ -37,8 +38,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
         str(args.steps),
         "--dtype",
         args.dtype,
-        "--device",
-        args.device,
+        *device_args(args),
         "--threads",
         str(args.threads),
     ]
@@ -55,7 +55,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     )
     for r in reports:
         samples = r.pop("rss_samples")
-        if args.device == "cuda":
+        if args.device.startswith("cuda"):
             r["peak"], r["load_peak"] = r["cuda_train_peak"], r["cuda_load_peak"]
         else:
             r["peak"] = peak_between(samples, r["load_end"], r["train_end"]) - r["baseline_rss"]
@@ -64,7 +64,12 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     step_s = max(r["step_s"] for r in reports)
     # Tensor parallelism and context parallelism train one batch on all ranks together; the others one per rank.
     batches = 1 if strategy in SHARED_BATCH else world_size
+    # on a GPU, what torch's caching allocator held beside what it handed out (max_memory_reserved)
+    reserved = {}
+    if "cuda_train_reserved" in worst:
+        reserved["reserved_gb"] = max(r["cuda_train_reserved"] for r in reports) / 1e9
     return {
+        **reserved,
         "strategy": label,
         "world_size": world_size,
         "seq": seq,
@@ -251,16 +256,23 @@ def main(argv=None) -> dict:
     if args.warmup < 1 or args.steps < 1:
         # AdamW allocates its moments in the first step: a peak taken before the second would miss them
         raise SystemExit("--warmup and --steps must each be at least 1: the first step allocates the optimizer state")
-    if args.device == "cuda":
+    if args.device.startswith("cuda"):
         import torch
 
-        if max(sizes) > torch.cuda.device_count() and any(s != "single" for s in strategies):
+        gpus, shared = torch.cuda.device_count(), args.device != "cuda"
+        if shared and int(args.device.split(":")[1]) >= gpus:
+            raise SystemExit(f"--device {args.device}: {gpus} GPU(s) visible")
+        if not shared and max(sizes) > gpus and any(s != "single" for s in strategies):
             raise SystemExit(
-                f"--device cuda needs one GPU per rank (NCCL); {torch.cuda.device_count()} visible. "
-                "Use --strategies single, or smaller --world-sizes."
+                f"--device cuda needs one GPU per rank (NCCL); {gpus} visible. Use --strategies single, smaller "
+                "--world-sizes, or --device cuda:0 to put every rank on one GPU (see --help)."
             )
     os.makedirs(args.output, exist_ok=True)
-    with preloaded_ranks(args.threads):  # every strategy's ranks fork from one process that imported once
+    # every strategy's ranks fork from one process that imported once; on a GPU each rank is a new interpreter:
+    # bitsandbytes, which PEFT imports, starts CUDA at import, and a fork of a process that has started CUDA
+    # cannot use it
+    ranks = contextlib.nullcontext() if args.device.startswith("cuda") else preloaded_ranks(args.threads)
+    with ranks:
         return _run(args, sizes, strategies)
 
 
@@ -313,6 +325,7 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
                 lora_rank=LORA_RANK,
                 gradient_checkpointing=args.gradient_checkpointing,
                 dtype=args.dtype,
+                device=args.device,
             )
         else:
             estimates = memory.estimate(
@@ -324,15 +337,18 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
                 gradient_checkpointing=args.gradient_checkpointing,
                 autocast=args.autocast,
                 rtp_size=args.rtp_size if grid else None,
+                device=args.device,
             )
             if strategy == SAME_TOKENS:
                 estimates = memory.estimate(
                     config, n, batch=args.batch, seq=row["seq"], dtype=args.dtype,
-                    gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast,
+                    gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast, device=args.device,
                 )  # fmt: skip
-        row["estimate_gb"] = (
-            estimates.get("rtp-cp" if strategy == SAME_TOKENS else "rtp" if grid else strategy, float("nan")) / 1e9
-        )
+        key = "rtp-cp" if strategy == SAME_TOKENS else "rtp" if grid else strategy
+        row["estimate_gb"] = estimates.get(key, float("nan")) / 1e9
+        if args.device.startswith("cuda"):  # beside max_memory_allocated: the estimate less the CUDA context and NCCL
+            row["estimate_process_gb"] = row["estimate_gb"]
+            row["estimate_gb"] -= memory.outside_allocator(key, n, args.device, args.rtp_size if grid else None) / 1e9
         if grid:
             row["rtp_size"] = args.rtp_size
         rows.append(row)
@@ -348,6 +364,13 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
     if args.load_in_4bit:
         title += ", QLoRA (NF4 base, LoRA r=16)"
     print(f"\n{title}\n{table(rows)}\n" + "\n".join(long_sequence_ratios(rows) if args.long_sequence else ratios(rows)))
+    for r in rows:
+        if "reserved_gb" in r:
+            print(
+                f"{r['strategy']} N={r['world_size']} on {args.device}: max_memory_allocated {r['peak_gb']:.3f} GB, "
+                f"max_memory_reserved {r['reserved_gb']:.3f} GB per rank; estimated {r['estimate_gb']:.3f} GB "
+                f"allocated, {r.get('estimate_process_gb', float('nan')):.3f} GB for the process"
+            )
     for r in rows:
         if r["ring_mb_per_step"]:
             print(f"{r['strategy']} N={r['world_size']}: {r['ring_mb_per_step']:.2f} MB per rank on the ring per step")

@@ -181,7 +181,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (this rank's LOCAL_RANK GPU) or cuda:N (every rank's)")
+    p.add_argument("--backend", help="the process group's backend (default: nccl on cuda, gloo on cpu)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--rtp-size", type=int)
@@ -196,10 +197,11 @@ def main(argv=None) -> None:
     rank = int(os.environ.get("RANK", 0))
     device = torch.device(args.device)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if device.index is None:  # one GPU per rank; cuda:N puts every rank on GPU N
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
     dtype = getattr(torch, args.dtype)
     from transformers import AutoConfig
 
@@ -232,6 +234,7 @@ def main(argv=None) -> None:
         return _finish()
     if device.type == "cuda":
         marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)
+        marks["cuda_load_reserved"] = torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
     ring = _ring(model)
@@ -253,6 +256,7 @@ def main(argv=None) -> None:
     marks["train_end"] = time.time()
     if device.type == "cuda":
         marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
+        marks["cuda_train_reserved"] = torch.cuda.max_memory_reserved(device)
     local_bytes = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in model.parameters())
     report = dict(
         marks,
