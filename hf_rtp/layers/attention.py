@@ -3,32 +3,43 @@
 Each rank holds the queries, keys and values of its own tokens (distributed.sequence: chunks r and
 2N-1-r). The K/V blocks walk the ring as the weight pieces do (`Ring.forward_walk`: the next block in
 flight while this one is computed, two foreign blocks at most, from the shared pool). Each block's
-part of the attention comes from SDPA's flash kernel, which returns the block's output and its
-log-sum-exp; merging them by their log-sum-exp gives exactly softmax attention over all keys.
+part of the attention comes from one of SDPA's fused kernels (attention_kernels: flash, memory-efficient or
+cuDNN on CUDA, flash on the CPU, as SDPA would pick), which returns the block's output and its log-sum-exp;
+merging them by their log-sum-exp, in float32 for half inputs, gives exactly softmax attention over all keys.
 
-Backward walks the blocks again (`Ring.backward_walk`): the flash kernel's backward, given the merged
-output and log-sum-exp, gives each block's exact share of dQ, dK and dV; dK and dV travel with their
-block and come home summed, as weight gradients do.
+Backward walks the blocks again (`Ring.backward_walk`): the kernel's backward, given the merged output and
+log-sum-exp, gives each block's exact share of dQ, dK and dV; dK and dV travel with their block and come home
+summed, as weight gradients do.
 
 Causality is decided per run of global positions (`_blocks`): a query sees the keys at its position
 and before. A query run against a key run splits into a part that sees the whole run, a square that
 is causal within itself (SDPA's `is_causal`, top-left aligned) and a part that sees none of it.
+
+Trust (`trust`): a kernel is used only after it has matched attention computed whole on this device. The first
+ring attention per (device, dtype, kernel, head sizes, GQA) of a process runs the kernel on a probe of a few hundred
+random tokens, cut as a ring of 3 cuts a sequence, merged and differentiated by the same code as the ring, and
+compares output, dQ, dK and dV with the exact attention in float64; a gap beyond the dtype's rounding is refused by
+name (SettingError). Milliseconds, on this rank alone; model/context/inputs.py runs it inside the agreement at
+the start of each forward, so a refusal reaches every rank.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .. import faults
 from ..distributed.ring import Ring
 from ..distributed.sequence import Interval, SequenceLayout
-from ..private.torch_names import flash_attention_cpu, flash_attention_cpu_backward
+from ..errors import SettingError
+from .attention_kernels import Aux, Kernel, kernel_for, merge_dtype, takes_groups
 
 Block = tuple[tuple[int, int], tuple[int, int], bool]
-"""(query rows, key rows, causal): one call of the flash kernel"""
+"""(query rows, key rows, causal): one call of the kernel"""
 
 
 def _documents(runs: list[Interval], starts: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
@@ -77,92 +88,118 @@ def _row_groups(docs: tuple[tuple[int, ...], ...] | None, device) -> list[tuple[
     return [(starts, torch.tensor(rows, device=device)) for starts, rows in by.items()]
 
 
-def _heads(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """[tokens, batch, kv_heads, dim] -> [batch, heads, tokens, dim], K/V heads repeated as repeat_kv does."""
+def _heads(t: torch.Tensor, repeat: int) -> torch.Tensor:
+    """[tokens, batch, kv_heads, dim] -> [batch, heads, tokens, dim], K/V heads repeated as repeat_kv does (1: the
+    kernel takes fewer K/V heads itself)."""
     t = t.permute(1, 2, 0, 3)
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+    return t.repeat_interleave(repeat, dim=1) if repeat > 1 else t
 
 
-def _unheads(t: torch.Tensor, groups: int) -> torch.Tensor:
+def _unheads(t: torch.Tensor, repeat: int) -> torch.Tensor:
     """The gradient of `_heads`: [batch, heads, tokens, dim] -> [tokens, batch, kv_heads, dim]."""
-    if groups > 1:
-        t = t.unflatten(1, (-1, groups)).sum(2)
+    if repeat > 1:
+        t = t.unflatten(1, (-1, repeat)).sum(2)
     return t.permute(2, 0, 1, 3)
 
 
-def _merge_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` with zero columns up to the kernel's head size: a kernel wants one head size for Q, K and V (and on CUDA
+    a multiple of 8). Zero columns of Q and K change no dot product, zero columns of V give zero columns of the
+    output, and none takes a gradient (DeepSeek's MLA: v_head_dim < qk's)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
-def _widened(v: torch.Tensor, width: int) -> torch.Tensor:
-    """V with zero columns up to the query/key head size: the flash kernel wants one head size, and zero
-    columns of V give zero columns of the output and take no gradient (DeepSeek's MLA: v_head_dim < qk's)."""
-    return v if v.shape[-1] == width else torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+@dataclass(frozen=True)
+class Call:
+    """How one ring attention calls its kernel: chosen once per forward, kept for its backward."""
+
+    kernel: Kernel
+    scale: float
+    repeat: int
+    """K/V heads repeated this many times before the kernel (1: none, or the kernel takes GQA)"""
+    width: int
+    """the head size the kernel is called with"""
+
+
+def _attend(call: Call, q, held, queries, keys, row_groups, out, lse) -> Aux | None:
+    """This rank's queries (`q` widened, runs `queries`) against the keys and values `held` (tokens first, runs
+    `keys`): each block's output merged into `out` by its log-sum-exp, `lse` the merged one (both in the merge
+    dtype). Returns what the kernel's backward takes back (the same for every block), None without blocks."""
+    aux = None
+    for starts, b in row_groups:
+        for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
+            k = _widened(_heads(held[0][ka:kb, b], call.repeat), call.width)
+            v = _widened(_heads(held[1][ka:kb, b], call.repeat), call.width)
+            o, m, aux = call.kernel.forward(q[b, :, qa:qb], k, v, causal, call.scale)
+            o = o[..., : out.shape[-1]].to(out.dtype)
+            before = lse[b, :, qa:qb]
+            total = torch.logaddexp(before, m)
+            out[b, :, qa:qb] = out[b, :, qa:qb] * (before - total).exp().unsqueeze(-1) + o * (
+                m - total
+            ).exp().unsqueeze(-1)
+            lse[b, :, qa:qb] = total
+    return aux
+
+
+def _attend_backward(call: Call, aux, grad_out, q, out, lse, held, acc, grad_q, queries, keys, row_groups) -> None:
+    """`_attend`'s backward: each block's share of dQ added to `grad_q`, of dK and dV to `acc` (tokens first), given
+    the merged output and log-sum-exp (grad_out, q and out widened, in the kernel's dtype)."""
+    for starts, b in row_groups:
+        for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
+            k = _widened(_heads(held[0][ka:kb, b], call.repeat), call.width)
+            v = _widened(_heads(held[1][ka:kb, b], call.repeat), call.width)
+            dq, dk, dv = call.kernel.backward(
+                grad_out[b, :, qa:qb], q[b, :, qa:qb], k, v, out[b, :, qa:qb], lse[b, :, qa:qb], aux, causal,
+                call.scale,
+            )  # fmt: skip
+            grad_q[b, :, qa:qb] += dq[..., : grad_q.shape[-1]]
+            acc[0][ka:kb, b] += _unheads(dk[..., : acc[0].shape[-1]], call.repeat)
+            acc[1][ka:kb, b] += _unheads(dv[..., : acc[1].shape[-1]], call.repeat)
 
 
 class RingAttentionFn(torch.autograd.Function):
     """softmax(Q K^T * scale + causal) V over the whole sequence, for this rank's queries."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, ring: Ring, layout: SequenceLayout, docs=None):
-        groups, width = q.shape[1] // k.shape[1], q.shape[-1]
+    def forward(ctx, q, k, v, call: Call, ring: Ring, layout: SequenceLayout, docs=None):
         row_groups = _row_groups(docs, q.device)
         own = [k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous()]  # tokens first: ring rows
         rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
         queries = layout.intervals(ring.rank)
-        merged = _merge_dtype(q.dtype)
+        merged = merge_dtype(q.dtype)
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=merged)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=merged)
+        wide = _widened(q, call.width)
+        auxes: list[Aux] = []
 
         def compute(span, held):
             keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
-            for starts, b in row_groups:
-                for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
-                    o, m = flash_attention_cpu(
-                        q[b, :, qa:qb], _heads(held[0][ka:kb, b], groups),
-                        _widened(_heads(held[1][ka:kb, b], groups), width), 0.0, causal, scale=scale,
-                    )  # fmt: skip
-                    o, m = o[..., : v.shape[-1]].to(merged), m.to(merged)
-                    before = lse[b, :, qa:qb]
-                    total = torch.logaddexp(before, m)
-                    out[b, :, qa:qb] = out[b, :, qa:qb] * (before - total).exp().unsqueeze(-1) + o * (
-                        m - total
-                    ).exp().unsqueeze(-1)
-                    lse[b, :, qa:qb] = total
+            aux = _attend(call, wide, held, queries, keys, row_groups, out, lse)
+            if aux is not None:
+                auxes[:] = [aux]
 
         with torch.autocast(q.device.type, enabled=False):
             ring.forward_walk(own, rows, compute)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.scale, ctx.ring, ctx.layout, ctx.docs = scale, ring, layout, docs
+        ctx.call, ctx.ring, ctx.layout, ctx.docs, ctx.aux = call, ring, layout, docs, auxes[0] if auxes else None
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, layout, scale = ctx.ring, ctx.layout, ctx.scale
-        groups, width = q.shape[1] // k.shape[1], q.shape[-1]
+        call, ring, layout = ctx.call, ctx.ring, ctx.layout
         own = [k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous()]
         rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
         queries = layout.intervals(ring.rank)
-        summed = _merge_dtype(q.dtype)
-        grad_out, out = _widened(grad_out.contiguous(), width), _widened(out, width)
+        summed = merge_dtype(q.dtype)
+        grad_out, out, wide = (_widened(t, call.width) for t in (grad_out.contiguous(), out, q))
         grad_q = torch.zeros(q.shape, dtype=summed, device=q.device)
-        kernel_lse = lse.to(torch.float32) if q.dtype in (torch.bfloat16, torch.float16) else lse
         row_groups = _row_groups(ctx.docs, q.device)
 
         def accumulate(span, held, acc):
             keys = [(row - span[0], pos, n) for row, pos, n in layout.global_intervals(span)]
-            for starts, b in row_groups:
-                for (qa, qb), (ka, kb), causal in _blocks(queries, keys, starts):
-                    dq, dk, dv = flash_attention_cpu_backward(
-                        grad_out[b, :, qa:qb], q[b, :, qa:qb], _heads(held[0][ka:kb, b], groups),
-                        _widened(_heads(held[1][ka:kb, b], groups), width), out[b, :, qa:qb],
-                        kernel_lse[b, :, qa:qb].contiguous(), 0.0, causal, scale=scale,
-                    )  # fmt: skip
-                    grad_q[b, :, qa:qb] += dq
-                    acc[0][ka:kb, b] += _unheads(dk, groups)
-                    acc[1][ka:kb, b] += _unheads(dv[..., : held[1].shape[-1]], groups)
+            _attend_backward(call, ctx.aux, grad_out, wide, out, lse, held, acc, grad_q, queries, keys, row_groups)
 
         with torch.autocast(q.device.type, enabled=False):
             home = ring.backward_walk(own, rows, accumulate, lambda span, held: None, accumulate_dtype=summed)
@@ -176,9 +213,129 @@ def ring_attention(
 ):
     """Causal attention of this rank's queries [batch, heads, tokens, dim] to the whole sequence's keys and
     values ([batch, kv_heads, tokens, dim], heads a multiple of kv_heads); returns [batch, heads, tokens, dim].
-    `docs`: per batch row, the positions where its packed documents start (None: one document per row)."""
+    `docs`: per batch row, the positions where its packed documents start (None: one document per row).
+    Under autocast the inputs run in autocast's dtype, as SDPA's do (it is on autocast's lower-precision list)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly")
     if v.shape[-1] > q.shape[-1]:
         raise ValueError(f"values of {v.shape[-1]} per head, wider than queries and keys ({q.shape[-1]})")
-    return RingAttentionFn.apply(q, k, v, scale, ring, layout, docs)
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if t.dtype != torch.float64 else t for t in (q, k, v))  # autocast leaves float64
+    groups = q.shape[1] // k.shape[1]
+    kernel = trusted(q.device, q.dtype, q.shape[-1], v.shape[-1], groups)
+    repeat = 1 if takes_groups(kernel) else groups
+    call = Call(kernel, q.shape[-1] ** -0.5 if scale is None else scale, repeat, kernel.width(q.shape[-1]))
+    return RingAttentionFn.apply(q, k, v, call, ring, layout, docs)
+
+
+PROBE_TOKENS, PROBE_RANKS = 203, 3
+"""the probe's sequence: 6 chunks of 33 or 34 tokens (uneven, and query runs the efficient kernel pads to 64)"""
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+"""the largest gap to exact attention, relative to its largest value, that a dtype's rounding explains"""
+_TRUSTED: set[tuple] = set()
+
+
+def trusted(device: torch.device, dtype: torch.dtype, head: int, value_head: int, groups: int) -> Kernel:
+    """The kernel ring attention uses for these heads now (SDPA's pick, attention_kernels.kernel_for), after its
+    probe passed once in this process; SettingError naming the kernel and what to do when it does not."""
+    kernel = kernel_for(device, dtype, head)
+    key = (str(device), dtype, kernel.name, head, value_head, groups > 1)
+    if key not in _TRUSTED:
+        probe(kernel, device, dtype, head, value_head, groups > 1)
+        _TRUSTED.add(key)  # a refusal is not kept: the probe runs again next time (milliseconds)
+    return kernel
+
+
+def probe(kernel: Kernel, device: torch.device, dtype: torch.dtype, head: int, value_head: int, grouped: bool):
+    """`kernel` on a probe sequence of PROBE_TOKENS random tokens (a private generator: the user's RNG is untouched),
+    blockwise as a ring of PROBE_RANKS computes it, against exact attention in float64 (the math SDPA's reference
+    kernel does, written out so that no `sdpa_kernel` context or inference mode changes it): output, dQ, dK, dV.
+    SettingError naming the kernel, dtype and gap when one differs beyond the dtype's rounding, or the kernel fails.
+    `grouped`: 4 query heads share 2 K/V heads (GQA, repeated for a kernel that does not take it), else 4 each.
+    The fault point "attention.probe" ("corrupt") shifts the merged output, as a wrong log-sum-exp layout would."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    kv = 2 if grouped else 4
+    shapes = [(2, 4, head), (2, kv, head), (2, kv, value_head), (2, 4, value_head)]
+    drawn = [
+        torch.randn(b, h, PROBE_TOKENS, d, generator=generator, device=device, dtype=torch.float64).to(dtype)
+        for b, h, d in shapes
+    ]
+    call = Call(kernel, head**-0.5, 1 if takes_groups(kernel) else 4 // kv, kernel.width(head))
+    where = f"the {kernel.name} kernel on {device} in {str(dtype).removeprefix('torch.')} (heads of {head}"
+    where += f", values of {value_head})" if value_head != head else ")"
+    corrupt = faults.point("attention.probe")
+    try:
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            got = _blockwise(call, drawn, corrupt)
+            want = _exact(call.scale, *(t.double() for t in drawn))
+    except RuntimeError as err:
+        raise SettingError(f"context parallelism: {where} failed on a probe: {err}. {_advice(kernel)}") from err
+    gaps = {name: _gap(a, b) for name, a, b in zip(("output", "dQ", "dK", "dV"), got, want, strict=True)}
+    worst = max(gaps, key=lambda name: gaps[name])
+    if not gaps[worst] <= TOLERANCE[dtype]:  # NaN fails too
+        raise SettingError(
+            f"context parallelism: {where} does not compute attention: its blocks merged by their log-sum-exp "
+            f"differ from attention computed whole by {gaps[worst]:.3g} of the largest value in {worst} (the "
+            f"rounding of {str(dtype).removeprefix('torch.')} allows {TOLERANCE[dtype]:g}), on a probe of "
+            f"{PROBE_TOKENS} random tokens. Training would be silently wrong, so it is refused. {_advice(kernel)}"
+        )
+
+
+def _advice(kernel: Kernel) -> str:
+    switch = {"flash": "flash", "efficient": "mem_efficient", "cudnn": "cudnn"}.get(kernel.name)
+    if switch is None:  # the CPU's only kernel
+        return "Please report it to hf_rtp with your torch version"
+    return (
+        f"Use another kernel: torch.backends.cuda.enable_{switch}_sdp(False), or torch.nn.attention.sdpa_kernel "
+        "naming the others around the block; and please report it to hf_rtp with your torch version and GPU"
+    )
+
+
+def _blockwise(call: Call, drawn: list[torch.Tensor], corrupt: bool = False):
+    """Output, dQ, dK, dV of causal attention computed as the ring does: every rank's queries against every rank's
+    keys held tokens first in ring order, each block merged by its log-sum-exp, then each block's backward.
+    `drawn`: Q, K, V and the output's gradient. `corrupt`: the first rank's merged output shifted in one row by its
+    largest value (a fault's)."""
+    q, k, v, grad = drawn
+    layout = SequenceLayout(q.shape[2], PROBE_RANKS)
+    order = torch.cat([layout.positions(rank, q.device) for rank in range(PROBE_RANKS)])
+    held = [t[:, :, order].permute(2, 0, 1, 3).contiguous() for t in (k, v)]
+    keys = layout.global_intervals((0, layout.length))
+    merged = merge_dtype(q.dtype)
+    acc = [torch.zeros(t.shape, dtype=merged, device=q.device) for t in held]
+    outs, grads = torch.zeros_like(grad), torch.zeros_like(q)
+    row_groups = _row_groups(None, q.device)
+    for rank in range(PROBE_RANKS):
+        mine, queries = layout.positions(rank, q.device), layout.intervals(rank)
+        wide = _widened(q[:, :, mine], call.width)
+        out = q.new_zeros((*wide.shape[:-1], v.shape[-1]), dtype=merged)
+        lse = q.new_full(wide.shape[:-1], float("-inf"), dtype=merged)
+        aux = _attend(call, wide, held, queries, keys, row_groups, out, lse)
+        if corrupt and rank == 0:
+            out[..., 0, :] += out.abs().amax()
+        result = out.to(q.dtype)
+        grad_q = torch.zeros((*wide.shape[:-1], q.shape[-1]), dtype=merged, device=q.device)
+        widened = [_widened(t, call.width) for t in (grad[:, :, mine].contiguous(), result)]
+        _attend_backward(call, aux, widened[0], wide, widened[1], lse, held, acc, grad_q, queries, keys, row_groups)
+        outs[:, :, mine], grads[:, :, mine] = result, grad_q.to(q.dtype)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=q.device)
+    return (outs, grads, *(a.permute(1, 2, 0, 3)[:, :, back] for a in acc))
+
+
+def _exact(scale: float, q, k, v, grad):
+    """Output, dQ, dK, dV of causal attention, written out (in the inputs' dtype: float64 here)."""
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(groups, 1) for t in (k, v))
+    position = torch.arange(q.shape[2], device=q.device)
+    scores = (q @ kk.transpose(-1, -2) * scale).masked_fill(position[None, :] > position[:, None], float("-inf"))
+    p = scores.softmax(-1)
+    out = p @ vv
+    ds = p * (grad @ vv.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+    fold = lambda t: t.unflatten(1, (-1, groups)).sum(2)  # noqa: E731  the gradient of repeat_interleave
+    return out, ds @ kk * scale, fold(ds.transpose(-1, -2) @ q * scale), fold(p.transpose(-1, -2) @ grad)
+
+
+def _gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().amax() / want.abs().amax().clamp_min(1e-30)).item()

@@ -71,6 +71,14 @@ amp_unscale = _get(torch.ops.aten, "_amp_foreach_non_finite_check_and_unscale_")
 # (layers/attention.py); F.scaled_dot_product_attention returns the output alone
 flash_attention_cpu = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu").default
 flash_attention_cpu_backward = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward").default
+# SDPA's CUDA kernels (flash, memory-efficient, cuDNN) and their backwards, the same for CUDA tensors
+# (layers/attention_kernels.py); registered in every build, so a CPU-only torch resolves them too
+flash_attention_cuda = _get(torch.ops.aten, "_scaled_dot_product_flash_attention").default
+flash_attention_cuda_backward = _get(torch.ops.aten, "_scaled_dot_product_flash_attention_backward").default
+efficient_attention = _get(torch.ops.aten, "_scaled_dot_product_efficient_attention").default
+efficient_attention_backward = _get(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward").default
+cudnn_attention = _get(torch.ops.aten, "_scaled_dot_product_cudnn_attention").default
+cudnn_attention_backward = _get(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward").default
 
 
 def clear_step_hooks(optimizer: torch.optim.Optimizer) -> None:

@@ -52,7 +52,7 @@ def test_the_readme_states_the_number_of_injected_faults_the_table_counts():
 def test_every_fault_point_is_one_some_test_injects():
     sources = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     for point in POINTS:  # "kill@save.commit#1", or f"{action}@forward#1:3"
-        assert re.search(r"(?:kill|stop|raise|\})@" + re.escape(point) + r"(?![\w.])", sources), point
+        assert re.search(r"(?:kill|stop|raise|corrupt|\})@" + re.escape(point) + r"(?![\w.])", sources), point
 
 
 def _architecture_rows() -> dict[str, tuple[str, str]]:

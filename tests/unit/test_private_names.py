@@ -33,6 +33,9 @@ GATED = {
     "_no_split_modules", "_models", "_optimizers", "_shared_state", "_amp_foreach_non_finite_check_and_unscale_",
     "_keep_in_fp32_modules", "_validate_accelerator", "_supports_sdpa", "_prepare_cp",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
     "_version", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_schema",
     # bitsandbytes' optimizer internals and its state's keys
     "bitsandbytes.optim.optimizer", "Optimizer8bit", "initialized", "check_overrides", "get_config", "is_paged",

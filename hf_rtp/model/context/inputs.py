@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ...distributed.agreement import agreed
 from ...errors import SettingError
+from .interface import trust_kernels
 from .run import IGNORE_INDEX, ContextRun, Facts
 
 PER_TOKEN = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "token_type_ids")
@@ -37,6 +38,7 @@ def check(run: ContextRun, kwargs: dict) -> Facts:
     whole, padding, labels, divisors_differ = _gather(run, kwargs, batch)
     with agreed(run.control, SettingError):
         _check_inputs(run, kwargs, padding, batch)
+        trust_kernels(run, kwargs)  # the ring attention's kernel probed on this rank: a refusal reaches every rank
         if divisors_differ:  # the same on every rank: each saw every rank's
             raise SettingError(
                 "context parallelism: the ranks of a ring passed different num_items_in_batch; each divides its "

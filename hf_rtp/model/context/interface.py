@@ -3,7 +3,8 @@
 A model's config names it only inside a context-parallel block of that model (block.py sets it and sets it back),
 through the registration transformers documents for custom attention (`AttentionInterface`,
 `AttentionMaskInterface`): no other model's attention changes. What the ring attention does not compute is refused
-here by name, the same on every rank (it is the model's, not the data's).
+here by name, the same on every rank (it is the model's, not the data's); so is a device, dtype or head size no
+kernel takes (layers/attention_kernels.py), and a kernel whose probe fails (`trust_kernels`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import inspect
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...errors import HfRtpError, SettingError
-from ...layers.attention import ring_attention
+from ...layers.attention import ring_attention, trusted
 from .run import ATTENTION, ContextRun, current
 
 
@@ -66,10 +68,34 @@ def _check_attention(run: ContextRun, module, query, attention_mask, dropout, kw
         reasons.append(
             f"{query.shape[2]} query tokens where this rank holds {run.layout.local_length(run.rank)} of the sequence"
         )
-    if query.device.type != "cpu":
-        reasons.append(f"{query.device.type} tensors (ring attention runs SDPA's CPU flash kernel)")
     if reasons:
         raise SettingError(f"context parallelism: {name} uses " + "; ".join(reasons))
+
+
+def trust_kernels(run: ContextRun, kwargs: dict) -> None:
+    """The ring attention's kernel for this forward, chosen and probed on this rank (layers.attention.trusted: once
+    per process and kernel), from the heads the config declares and the dtype and device the embeddings give (the
+    autocast dtype under autocast). inputs.check calls it inside its agreement, so that a kernel one rank refuses is
+    refused on every rank before any K/V block walks the ring. An attention that runs in another dtype or head size
+    than these is probed at its own first call instead, where a refusal is this rank's alone (the others then fail
+    by the ring's timeout)."""
+    model: Any = run.model
+    try:
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads
+        value = getattr(config, "v_head_dim", None) or head
+        groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        like = kwargs.get("inputs_embeds")
+        like = like if like is not None else model.get_input_embeddings().weight
+    except (AttributeError, TypeError, ZeroDivisionError, NotImplementedError):
+        return  # not a shape this reads: the attention's first call probes its kernel
+    if not (torch.is_tensor(like) and like.is_floating_point() and isinstance(head, int) and isinstance(value, int)):
+        return
+    dtype = like.dtype
+    if torch.is_autocast_enabled(like.device.type) and dtype != torch.float64:  # as ring_attention casts, and SDPA
+        dtype = torch.get_autocast_dtype(like.device.type)
+    trusted(like.device, dtype, head, value, max(groups, 1))
 
 
 def _mask(*args, **kwargs):

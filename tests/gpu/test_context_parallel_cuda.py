@@ -1,0 +1,112 @@
+"""Context parallelism on CUDA: ring attention's flash, memory-efficient and cuDNN kernels against vanilla SDPA on
+the whole sequence, on one GPU at two ranks (gpu_world.py: every rank on cuda:0, in the world .ci/gpu chose).
+
+Each variant forces one kernel with `torch.nn.attention.sdpa_kernel` around the block (the ring picks among the
+backends enabled, as SDPA does) and checks that the ring used it; vanilla runs SDPA's own pick on the same GPU
+outside it. A tiny Llama with head size 64 and GQA (4 query heads, 2 K/V heads: flash takes them as they are,
+the others get them repeated), 250 tokens: chunks of 62 and 63 at 2 ranks (uneven, and query runs the
+memory-efficient kernel pads to a multiple of 32). Compared: the loss and every gradient (this rank's rows of
+rotated ones). Each kernel's first use ran its probe (layers/attention.py) before the ring did.
+
+What equality holds: the ring rounds each block's output to the kernel's dtype and merges the blocks in float32,
+where vanilla's kernel rounds once, and cuBLAS orders a rotated matmul's sums differently. Float32: 1e-4 of each
+gradient's largest entry; fp16 (10 bits of mantissa): 1e-2; bf16 (8 bits) and bf16 autocast: 3e-2. A wrong
+log-sum-exp layout, a lost block or a missing K/V head is off by the whole gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_world import NO_CUDA, join_world
+from support.compare import rows
+from support.models import VOCAB, make_tiny
+from support.spawn import run_on_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
+
+SEQ = 250  # not a multiple of 2N = 4
+VARIANTS = {  # name: (weights' dtype, bf16 autocast, the kernel forced, tolerance of the largest entry)
+    "float32-efficient": ("float32", False, "efficient", 1e-4),
+    "bf16-flash": ("bfloat16", False, "flash", 3e-2),
+    "fp16-flash": ("float16", False, "flash", 1e-2),
+    "bf16-autocast-flash": ("float32", True, "flash", 3e-2),
+    "bf16-cudnn": ("bfloat16", False, "cudnn", 3e-2),
+    "fp16-efficient": ("float16", False, "efficient", 1e-2),
+}
+
+
+def _batch(seq: int) -> dict:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt: the ranks' label counts differ
+    return {"input_ids": ids, "labels": labels}
+
+
+def _variant_beside_vanilla(ckpt, dtype_name, autocast, forced):
+    """One training step of hf_rtp under context parallelism with `forced` the only SDPA backend, and vanilla's on
+    the whole sequence with SDPA's own pick: the losses, each gradient's (gap, scale), the kernels the ring used."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.layers import attention
+
+    device = join_world()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    options: dict = dict(dtype=getattr(torch, dtype_name), attn_implementation="sdpa")
+    model = hf_rtp.from_pretrained(ckpt, device=device, **options).train()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, **options).to(device).train()
+    batch = {k: v.to(device) for k, v in _batch(SEQ).items()}
+    given = {k: v.clone() for k, v in batch.items()}
+    backend = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[forced]
+    before = set(attention._TRUSTED)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with sdpa_kernel(backend), hf_rtp.context_parallel(model, batch):
+            loss = model(**batch).loss
+            loss.backward()
+        ref_loss = ref(**given).loss
+        ref_loss.backward()
+    hf_rtp.sync_grads(model)
+    used = sorted({key[2] for key in attention._TRUSTED - before})
+    vanilla = dict(ref.named_parameters())
+    gaps = {}
+    for name, p in model.named_parameters():
+        mine, want = p.grad, vanilla[name].grad
+        if isinstance(p, DTensor):
+            mine, want = mine.to_local(), want[rows(p, world, rank)]
+        gaps[name] = ((mine.float() - want.float()).abs().max().item(), want.float().abs().max().item())
+    return loss.item(), ref_loss.item(), gaps, used
+
+
+def _cudnn_attention_here() -> bool:
+    return (
+        torch.backends.cudnn.is_available()
+        and (torch.backends.cudnn.version() or 0) >= 90000
+        and torch.cuda.get_device_capability(0) >= (8, 0)
+    )
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_context_parallel_on_one_gpu_matches_vanilla_sdpa_with_each_kernel(tmp_path, variant):
+    dtype_name, autocast, forced, tolerance = VARIANTS[variant]
+    if forced == "cudnn" and not _cudnn_attention_here():
+        pytest.skip("cuDNN attention needs cuDNN 9 and compute capability 8.0")
+    needs_ampere = dtype_name == "bfloat16" or autocast or forced in ("flash", "cudnn")
+    if needs_ampere and torch.cuda.get_device_capability(0) < (8, 0):
+        pytest.skip("bf16, flash and cuDNN attention need compute capability 8.0")
+    ckpt = make_tiny("llama", tmp_path / "ckpt", hidden_size=256, intermediate_size=128)  # 4 heads of 64, 2 K/V
+    results = run_on_ranks(_variant_beside_vanilla, 2, ckpt, dtype_name, autocast, forced, fresh=True)
+    for rank, (loss, ref_loss, gaps, used) in enumerate(results):
+        assert used == [forced], (rank, used)  # the ring ran the kernel forced, after its probe passed
+        assert abs(loss - ref_loss) <= tolerance * abs(ref_loss), (rank, loss, ref_loss)
+        for name, (gap, scale) in gaps.items():
+            assert scale > 0 and gap <= tolerance * scale, (rank, name, gap, scale)
+    assert len({round(loss, 6) for loss, *_ in results}) == 1  # every rank reports the sequence's loss
