@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import CollectiveMisuseError
 
 
 class Pending:
-    """Communication in flight; `wait` names a failure as CollectiveMisuseError instead of gloo/NCCL's words."""
+    """Communication in flight; `wait` names a failure as CollectiveMisuseError instead of gloo/NCCL's words, then
+    runs `after` (the ring's: a staged message copied to the device, a watched hop's header compared)."""
 
-    def __init__(self, works, what: str = "waited for its ring neighbour"):
-        self._works, self._what = works, what
+    def __init__(self, works, what: str = "waited for its ring neighbour", after: Callable[[], object] | None = None):
+        self._works, self._what, self._after = works, what, after
 
     def wait(self) -> None:
         try:
@@ -21,3 +24,5 @@ class Pending:
                 "some rank stopped, crashed, or skipped a forward or backward that every rank must run "
                 f"({type(err).__name__}: {err})"
             ) from err
+        if self._after is not None:
+            self._after()

@@ -30,6 +30,7 @@ the ring agreed at the forward's start (model/traffic.py), so every rank walks t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,16 +43,25 @@ from ..settings import DEFAULT_PIECE_SIZE, parse_size
 from .pending import Pending
 from .replicas import ReplicaSum
 from .sharding import ChunkLayout
+from .transport import Transport, transport_for
+from .watch import Watch
 
 Bundle = Sequence[torch.Tensor]
+_CPU = torch.device("cpu")
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
 _TOKEN_TAG = 192
 _OUTPUT_TAG = 224
+_KINDS = {_WEIGHT_TAG: "weights", _GRAD_TAG: "gradients", _COLLECT_TAG: "a checkpoint's rows", _TOKEN_TAG: "tokens"}
+_KINDS[_OUTPUT_TAG] = "outputs"
 # A message's latency, in the bytes a link moves meanwhile: gloo between CPU processes about 0.2 ms at about
 # 1 GB/s, NCCL about 10 us at 10-100 GB/s. An op whose weights are about this small walks them, in fewer hops.
 HOP_BYTES = 256 * 1024
+# After the watch names a failure on NCCL, how long the script has to reach the ring again (and raise it) before the
+# watch ends the process; the ring's NCCL group waits this much longer than HF_RTP_TIMEOUT, so NCCL's watchdog,
+# which would abort with a message about a SEND or RECV, never comes first (topology.py).
+WATCH_GRACE_S = 30.0
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
 Rows = tuple[int, int]
 
@@ -142,6 +152,14 @@ def _message_bytes(specs) -> int:
     return sum(n + (-n) % 8 for n in (math.prod(shape) * dtype.itemsize for shape, dtype in specs))
 
 
+def _land(landings: list, then: Callable[[], None] | None) -> None:
+    """A staged hop's arrivals copied from host memory to where the ring wanted them, then `then`."""
+    for t, wire in landings:
+        t.copy_(wire)
+    if then is not None:
+        then()
+
+
 def identities(tokens: Bundle) -> tuple:
     """What makes two token sets the same tokens: the same memory, seen the same way, unchanged since (each op
     reshapes its input afresh, so the tensor objects differ; an in-place change bumps its version). The ring holds
@@ -159,8 +177,18 @@ class Ring:
         replicas: dist.ProcessGroup | None = None,
         replica_count: int = 1,
         reduce_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        timeout_s: float | None = None,
+        transport: Transport | None = None,
+        watched: bool | None = None,
     ):
+        """`device`: where the ring's tensors live; with the group's backends it decides the `transport`
+        (distributed/transport.py; given: forced, as tests do). `watched` (default: on NCCL, "batched") puts
+        a header on every hop and a watch on the hops in flight (distributed/watch.py), so a rank that dies or
+        walks differently fails within `timeout_s` by name where waits do not raise and tags are ignored; a
+        watched ring sends no tags, as NCCL would ignore them, so a test over gloo shows the headers alone."""
         self.group = group
+        self.device = device or _CPU
         self.piece_bytes = piece_bytes
         """chunks larger than this walk the ring in pieces (from_pretrained's rotation_piece_size)"""
         self.replica_sum = ReplicaSum(replicas, replica_count) if replicas is not None else None
@@ -171,14 +199,23 @@ class Ring:
         if group is None:
             self.rank, self.size = 0, 1
             self._next = self._prev = 0
-            self._batched = False
+            self.transport: Transport = "plain"
         else:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
             self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
             self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-            # NCCL must post a send and its matching receive together or the ring deadlocks;
-            # gloo's batched path has been seen to hang, so it uses plain isend/irecv.
-            self._batched = dist.get_backend(group) == "nccl"
+            self.transport = transport or transport_for(dist.get_backend_config(group), (device or _CPU).type)
+        self._watch: Watch | None = None
+        if group is not None and (self.transport == "batched" if watched is None else watched):
+            nccl = self.transport == "batched"  # a test's watched gloo ring is neither aborted nor ended
+            self._watch = Watch(
+                timeout_s if timeout_s is not None else 600.0,
+                abort=getattr(group, "abort", None) if nccl else None,
+                grace_s=WATCH_GRACE_S if nccl else None,
+            )
+        self._hops: torch.Tensor | None = None  # the watched ring's hops so far, on the device: headers carry it
+        self._tags: dict[int, torch.Tensor] = {}
+        self._mismatch: torch.Tensor | None = None
         self.pool = BufferPool()
         self.moves = "auto"
         """from_pretrained's rotation_moves: what a forward's ops move ("auto": what costs less)"""
@@ -211,16 +248,71 @@ class Ring:
     def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
-        sends = [(t, tag + i) for i, t in enumerate(send) if t.numel()]
+        sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
         self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
-        if self._batched:
-            ops = [dist.P2POp(dist.isend, t.contiguous(), self._next, self.group, k) for t, k in sends]
-            ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, k) for t, k in recvs]
-            return Pending(dist.batch_isend_irecv(ops) if ops else [])
-        works = [dist.isend(t.contiguous(), self._next, group=self.group, tag=k) for t, k in sends]
-        works += [dist.irecv(t, self._prev, group=self.group, tag=k) for t, k in recvs]
-        return Pending(works)
+        what = f"a hop of {_KINDS[tag]} from global rank {self._prev}"
+        after = None
+        if self._watch is not None:
+            header = self._header(tag)
+            arrived = torch.empty_like(header)
+            sends, recvs = [*sends, (header, tag)], [*recvs, (arrived, tag)]
+            after = functools.partial(self._compare, header, arrived, what)
+        peers = [(dist.isend, t, self._next, k) for t, k in sends] + [(dist.irecv, t, self._prev, k) for t, k in recvs]
+        return self._post(peers, what, after)
+
+    def _post(self, peers: list, what: str, after: Callable[[], None] | None = None) -> Pending:
+        """Post `peers` ((isend or irecv, tensor, global rank, tag)) the way the transport wants; `after` runs once
+        they are waited for."""
+        if self._watch is not None:
+            self._watch.check()  # a failure the watch named: raised here, at the ring's next message
+        if self.transport == "batched":  # NCCL: a hop's sends and receives posted together, or a ring deadlocks
+            ops = [dist.P2POp(op, t, peer, self.group, k) for op, t, peer, k in peers]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            landings: list = []
+        else:
+            works, landings = self._one_by_one(peers)
+        if self._watch is not None:
+            self._watch.post(works, what)
+        if landings:  # staged: what arrived in host memory goes to the device once it is there
+            after = functools.partial(_land, landings, after)
+        return Pending(works, after=after)
+
+    def _one_by_one(self, peers: list) -> tuple[list, list]:
+        """Plain isend/irecv (gloo's batched path has been seen to hang), each message copied through host memory
+        where the backend cannot send the device's tensors ("staged"): the works, and (tensor, host copy) for each
+        message that lands in host memory first."""
+        tagged = self._watch is None  # a watched ring sends no tags: NCCL would ignore them, headers tell instead
+        staged = self.transport == "staged"
+        works, landings = [], []
+        for op, t, peer, k in peers:
+            wire = t
+            if staged:
+                wire = t.to("cpu") if op is dist.isend else torch.empty(t.shape, dtype=t.dtype)
+                if op is dist.irecv:
+                    landings.append((t, wire))
+            works.append(op(wire, peer, group=self.group, tag=k if tagged else 0))
+        return works, landings
+
+    def _header(self, tag: int) -> torch.Tensor:
+        """What a watched hop carries beside its tensors: its kind and how many hops this rank made before it.
+        Made on the device from tensors kept there, so no hop copies anything from the host."""
+        if self._hops is None:
+            self._hops = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._mismatch = torch.zeros(1, dtype=torch.bool, device=self.device)
+        hops = self._hops
+        if tag not in self._tags:
+            self._tags[tag] = torch.full((1,), tag, dtype=torch.int64, device=hops.device)
+        header = torch.cat((self._tags[tag], hops))  # a new tensor: the next hop's count cannot race its send
+        hops.add_(1)
+        return header
+
+    def _compare(self, header: torch.Tensor, arrived: torch.Tensor, what: str) -> None:
+        """After a watched hop: a header other than this rank's own (the kind and count it is at) sets the
+        mismatch flag, on the device; the watch reads it without waiting (Watch.flag)."""
+        assert self._watch is not None and self._mismatch is not None
+        torch.logical_or(self._mismatch, (arrived != header).any(), out=self._mismatch)
+        self._watch.flag(self._mismatch, what)
 
     def pieces(self, layout: ChunkLayout, like: torch.Tensor) -> int:
         """How many pieces each chunk of `layout` walks the ring in (1 on a ring of one)."""
@@ -525,7 +617,8 @@ class Ring:
             first = layout.bounds(self.rank)[0]
             for lo, hi in pieces(self.rank):
                 piece = own[lo - first : hi - first].contiguous()
-                Pending([dist.isend(piece, self._global_rank(0), group=self.group, tag=_COLLECT_TAG)]).wait()
+                send = [(dist.isend, piece, self._global_rank(0), _COLLECT_TAG)]
+                self._post(send, "sending rows to ring rank 0").wait()
             return
 
         for lo, hi in pieces(0):
@@ -535,13 +628,14 @@ class Ring:
         def receive(k: int):
             j, (lo, hi) = foreign[k]
             (buffer,) = self.pool.take("weights", k % 2, [torch.Size((hi - lo, *own.shape[1:]))], own)
-            return buffer, dist.irecv(buffer, self._global_rank(j), group=self.group, tag=_COLLECT_TAG)
+            peer = self._global_rank(j)
+            return buffer, self._post([(dist.irecv, buffer, peer, _COLLECT_TAG)], f"rows from global rank {peer}")
 
         incoming = receive(0) if foreign else None
         for k in range(len(foreign)):
             assert incoming is not None  # received for k before the loop or at k - 1
-            buffer, work = incoming
-            Pending([work]).wait()
+            buffer, pending = incoming
+            pending.wait()
             if k + 1 < len(foreign):
                 incoming = receive(k + 1)  # into the other slot, while the caller writes this one
             yield buffer

@@ -26,8 +26,9 @@ from ..settings import Settings
 from . import rendezvous
 from .agreement import agreed
 from .groups import group, init_world
-from .ring import Ring
+from .ring import WATCH_GRACE_S, Ring
 from .rotated import RotationMesh
+from .transport import transport_for
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
             f"the launcher says WORLD_SIZE={launched} but the initialised process group has {world} ranks; "
             "start every rank with the same launcher settings (torchrun --nproc_per_node, accelerate --num_processes)"
         )
-    everyone, backend, rank = tuple(range(world)), dist.get_backend(), dist.get_rank()
+    # the world's backend per device type: get_backend() says 'undefined' for a world started without a backend
+    everyone, backend, rank = tuple(range(world)), dist.get_backend_config(), dist.get_rank()
     control = group("control", everyone, "gloo", timeout)
     with agreed(control, TopologyError):  # one rank's bad layout is everyone's error, not a hang
         rows = rings(device_mesh, rtp_size, world)
@@ -112,7 +114,10 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     # for its mesh; per column of the grid one to average rotated gradients over replicas; over everyone
     # one for replicated gradients and two small gloo ones for agreement and for meeting at entry.
     columns = [tuple(column) for column in zip(*rows, strict=True)]
-    ring_groups = {row: group("ring", row, backend, timeout) for row in rows if len(row) > 1}
+    ring_timeout = timeout  # on NCCL the ring's watch names a lost rank first (distributed/watch.py)
+    if transport_for(backend, device.type) == "batched":
+        ring_timeout += timedelta(seconds=2 * WATCH_GRACE_S)
+    ring_groups = {row: group("ring", row, backend, ring_timeout) for row in rows if len(row) > 1}
     mesh_groups = {row: group("mesh", row, backend, timeout) for row in rows if len(row) > 1}
     replica_groups = {c: group("replicas", c, backend, timeout) for c in columns if len(c) > 1}
     ring_entries = {row: group("ring-entry", row, "gloo", settings.entry_timeout) for row in rows if len(row) > 1}
@@ -121,7 +126,15 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     dp_rank, row = next((i, row) for i, row in enumerate(rows) if rank in row)
     column = columns[row.index(rank)]
     replicas, replica_count = replica_groups.get(column), len(column)
-    ring = Ring(ring_groups.get(row), settings.piece_bytes, replicas, replica_count, settings.reduce_dtype)
+    ring = Ring(
+        ring_groups.get(row),
+        settings.piece_bytes,
+        replicas,
+        replica_count,
+        settings.reduce_dtype,
+        device=device,
+        timeout_s=timeout.total_seconds(),
+    )
     ring.moves = settings.rotation_moves
     mesh = None
     if len(row) > 1:

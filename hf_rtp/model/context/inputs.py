@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed.agreement import agreed
+from ...distributed.transport import backend_map
 from ...errors import SettingError
 from .interface import trust_kernels
 from .run import IGNORE_INDEX, ContextRun, Facts
@@ -95,9 +96,12 @@ def _gather(run: ContextRun, kwargs: dict, batch: int) -> tuple[torch.Tensor, to
 
 
 def _collective_device(run: ContextRun) -> torch.device:
-    """Where the ring's collectives take their tensors: NCCL's on the current GPU, gloo's on the CPU."""
-    nccl = run.ring.group is not None and dist.get_backend(run.ring.group) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    """Where the ring's collectives take their tensors: on the CPU where the group has a backend for it (gloo beside
+    NCCL in a world started with no backend or "cpu:gloo,cuda:nccl"), else NCCL's on the current GPU. Read from the
+    group's backends, not its backend string ('undefined' for a world started without one)."""
+    if run.ring.group is None or "cpu" in backend_map(dist.get_backend_config(run.ring.group)):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _documents(whole: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
