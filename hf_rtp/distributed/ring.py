@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..private.torch_names import version
+from ..errors import CollectiveMisuseError
+from ..private.torch_names import assert_async, version
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
 from .pending import Pending
 from .replicas import ReplicaSum
@@ -495,6 +496,10 @@ class Ring:
         use of each of the two."""
         return self.pool.planned(like.device) * like.element_size()
 
+    brought: tuple[int, int] | None = None
+    """What this rank's own forward brought, its tokens and its sequences, beside the `traffic` every rank agreed
+    on (model/traffic.py; None outside a forward): token_walk's `brought`."""
+
     def token_walk(
         self,
         own: Bundle,
@@ -504,6 +509,7 @@ class Ring:
         out: torch.Tensor,
         compute: Callable[[Bundle, torch.Tensor, Rows, Bundle], None],
         bound: int,
+        brought: int | None = None,
     ) -> int | None:
         """Move the tokens instead of the weights: `compute(tokens, out, rows, chunk)` adds this rank's chunk's
         share of the output of `tokens` into `out` (zeros where it has none: other rows, other experts).
@@ -519,6 +525,15 @@ class Ring:
         than its forward's new tokens: DeepSeek's MLA expands its cached latents), the most any rank brought,
         which every rank learns by the end of the walk (each token hop carries the largest count seen so
         far), so every rank then walks again, the same way; `out` is then not filled.
+
+        Learning it is a read on the host, which on CUDA waits for the device, so a rank reads only where the
+        answer can differ from `bound`: where it brings more itself, or more than `brought`, what its own forward
+        brought to the op (its tokens; its sequences to a head) or, walking again, the largest count the walk
+        before learned (None: read). An op that sees more than its forward brought (MLA's cached latents, a
+        head on every token) does so on every rank, which all read then. Every other op reads nothing. The hops
+        also carry whether some rank did not read: a rank that reads a larger count and finds one raises at
+        once, since that rank will not walk again, and the rank that did not read fails its device assertion
+        (`_largest`); an error on every rank, never a walk some ranks make alone.
         """
         held = self._own_piece(own, layout, layout.bounds(self.rank))
         rows = layout.bounds(self.rank)
@@ -534,12 +549,12 @@ class Ring:
             self._walk_outputs(moved[3], out, compute, rows, held, tokens, count, bound)
             return None
         fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
-        most = torch.tensor([count], dtype=torch.int64, device=out.device)
+        reads = count > bound or brought is None or count > brought
         # One message per hop (gloo pays per message), in the pool's weight slots: gloo pays several times more to
-        # send from or receive into memory it has not seen. The tokens padded to `bound`, the largest count, then
-        # (after the first hop) the accumulator.
+        # send from or receive into memory it has not seen. The tokens padded to `bound`, the largest count and
+        # whether some rank does not read it, then (after the first hop) the accumulator.
         self._moved = None  # the arrivals below overwrite the tokens kept from the op before
-        specs = [((bound, *t.shape[1:]), t.dtype) for t in tokens] + [(most.shape, most.dtype)]
+        specs = [((bound, *t.shape[1:]), t.dtype) for t in tokens] + [((2,), torch.int64)]
         hop = [*specs, ((bound, *out.shape[1:]), out.dtype)]  # after the first hop: the accumulator too
         acc_bytes = bound * math.prod(out.shape[1:]) * out.element_size()
         # slot 0: what this rank sends, the accumulator and where the last one lands; slot 1: what arrives at
@@ -550,7 +565,9 @@ class Ring:
         for view, t, f in zip(first[:-1], tokens, fill, strict=True):
             view[:fits] = t[:fits]
             view[fits:] = f
-        first[-1].copy_(most)
+        most = first[-1]  # [count, 1 if this rank does not read]: filled on the device, no copy from the host
+        most[0].fill_(count)
+        most[1].fill_(0 if reads else 1)
         sent = message[: _message_bytes(specs)]
         pending = self._exchange([sent], [arrivals[0]], _TOKEN_TAG)
         if count <= bound:
@@ -573,12 +590,30 @@ class Ring:
                 self._exchange([message], [arrivals[step]], _TOKEN_TAG).wait()
                 *others, seen, landing = self._views(arrivals[step], hop)
             acc = landing
-        largest = int(most)  # every rank's count, after N-1 token hops
+        largest = self._largest(most, reads, layout, bound, count)  # every rank's, after N-1 token hops
         if largest > bound:
             return largest
         out.add_(acc[:count])
         self._moved = (tuple(tokens), ids, bound, seen_tokens)  # held: their memory cannot become other tokens
         return None
+
+    def _largest(self, most: torch.Tensor, reads: bool, layout: ChunkLayout, bound: int, count: int) -> int:
+        """The most tokens any rank brought to a token walk (`most`: [that count, 1 if some rank does not read it]),
+        read on the host where this rank `reads`; else `bound`, which a device assertion checks without a read."""
+        weights = " and ".join(str(list(s)) for s in layout.global_shapes)
+        unread = (
+            f"a rotated op (weights {weights}) that moves tokens saw more tokens on some rank than the {bound} its "
+            f"forward's ranks agreed on (rank {self.rank}: {count}), and on another no more than that rank's own "
+            "forward brought, so that rank did not read the count and cannot walk the op again with the others. "
+            'Load with rotation_moves="weights", or give every rank inputs of one shape'
+        )
+        if not reads:
+            assert_async(most[0] <= bound, unread)
+            return bound
+        largest, some_unread = divmod(int(most[0] * 2 + most[1]), 2)  # one read for both
+        if largest > bound and some_unread:
+            raise CollectiveMisuseError(unread)
+        return largest
 
     def _walk_outputs(self, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound) -> None:
         """token_walk for tokens every rank already holds from the op before (`seen`: the others', in the order

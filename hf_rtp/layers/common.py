@@ -86,13 +86,15 @@ def rotate_forward(
     """
     weight_bytes = sum(math.prod(s) for s in layout.global_shapes) // ring.size * own[0].element_size()
     bound = token_bound(ring, weight_bytes, tokens, out, head=head, backward=backward)
+    most = brought(ring, head)
     while bound is not None:
         out.zero_()
         # None: done; else the most tokens any rank brought, more than `bound`: decide again by that bound
-        bound = ring.token_walk(own, layout, tokens, fill, out, compute, bound)
-        if bound is None:
+        largest = ring.token_walk(own, layout, tokens, fill, out, compute, bound, most)
+        if largest is None:
             return
-        bound = token_bound(ring, weight_bytes, tokens, out, bound=bound)
+        # no rank brings more than the largest to the next walk: it reads no count on the host
+        bound, most = token_bound(ring, weight_bytes, tokens, out, bound=largest), largest
     ring.forward_walk(own, layout, lambda rows, chunk: compute(tokens, out, rows, chunk), dtype=dtype)
 
 
@@ -118,6 +120,12 @@ def token_bound(
     held = bound * (row_bytes + 8) * max(ring.size - 1, 3) + 64
     slot = ring.slot_bytes(out)
     return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, held, slot, ring.size) else None
+
+
+def brought(ring: Ring, head: bool = False) -> int | None:
+    """The tokens this rank's own forward brought to an op (its sequences to a head), or None where the forward's
+    start did not count them (Ring.token_walk then reads the walk's largest count on the host)."""
+    return None if ring.brought is None else ring.brought[1 if head else 0]
 
 
 def own_bundle(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:

@@ -3,6 +3,15 @@
 Ranges are disjoint, so "sum" is a masked write. Backward needs no weights, only the travelling
 gradient accumulator, so the embedding's weights do not rotate a second time.
 
+Which of a rank's tokens a piece holds is data, and selecting them by a boolean mask reads its size on
+the host (on CUDA, a wait for the device) at every piece, forward and backward: 2 x pieces x ranks reads
+a step. Instead the ids are sorted once per forward and their positions at every piece's boundaries read
+in one transfer (`_Partition`): each piece then looks up exactly its tokens, by index, and backward adds
+their gradients by the same indices with no read at all. Where tokens are so few that looking every token
+up in every piece costs less than that one read (a decode step: tokens x pieces <= `_FEW`), each piece
+looks every token up, folded into its rows, and `torch.where` keeps the rows it holds: no read. Both give
+F.embedding's values bit for bit.
+
 Subclasses that change the forward are refused, except one adaptation: the scaled word embedding of
 Gemma 1/2/3 (`super().forward(ids) * self.embed_scale.to(self.weight.dtype)`), recognised by the
 exact text of its forward, so an edited copy is refused rather than silently unscaled.
@@ -26,36 +35,99 @@ def _in_range(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return (ids >= start) & (ids < end)
 
 
+def _folded(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Each id as a row of the piece [start, end): its own where the piece holds it, some row elsewhere."""
+    return torch.remainder(ids - start, end - start)
+
+
+# Tokens x pieces up to which every piece looks up every token (no read on the host): at a 4096-wide float32
+# embedding about 200 us of a GPU's memory bandwidth, a read's cost; beyond, the sorted partition costs less.
+_FEW = 4096
+_EDGES: dict[tuple, torch.Tensor] = {}  # every piece boundary of a layout, on a device: made once
+
+
+def _edges(layout: ChunkLayout, pieces: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """The rows where a piece of the weight walk starts or ends, on the host and on `device`."""
+    edges = sorted({row for j in range(layout.world_size) for p in range(pieces) for row in layout.piece(j, p, pieces)})
+    key = (tuple(edges), device)
+    if key not in _EDGES:  # non_blocking from the host: the copy does not wait for the device's queue
+        _EDGES[key] = torch.tensor(edges, dtype=torch.int64).to(device, non_blocking=True)
+    return edges, _EDGES[key]
+
+
+class _Partition:
+    """A rank's tokens sorted by id, and where each piece boundary falls among them (one read on the host): the
+    tokens of rows [start, end) are `order[at[start]:at[end]]`."""
+
+    def __init__(self, flat: torch.Tensor, layout: ChunkLayout, pieces: int):
+        edges, on_device = _edges(layout, pieces, flat.device)
+        self.sorted, self.order = torch.sort(flat)
+        self.at = dict(zip(edges, torch.searchsorted(self.sorted, on_device).tolist(), strict=True))
+
+    def tokens(self, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions among the rank's tokens, their ids) of the tokens rows [start, end) hold; None for rows
+        that are not a span between piece boundaries."""
+        lo, hi = self.at.get(rows[0]), self.at.get(rows[1])
+        if lo is None or hi is None:
+            return None
+        return self.order[lo:hi], self.sorted[lo:hi]
+
+
 class _RotatedEmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, ring: Ring, layout: ChunkLayout, padding_idx: int | None):
         out = weight.new_zeros(*ids.shape, layout.global_shapes[0][1])
+        flat, pieces = ids.reshape(-1), ring.pieces(layout, weight)
+        whole = (0, layout.rows)
+        partition: list[_Partition] = []  # made at the first piece that uses it: a walk that moves tokens does not
 
         def compute(tokens, out, rows, chunk):
-            (flat,) = tokens
+            (given,) = tokens
             start, end = rows
-            hit = _in_range(flat, start, end)  # -1, the tokens' padding, is in no chunk's range
-            out[hit] = F.embedding(flat[hit] - start, chunk[0])
+            if end <= start:  # an empty piece (uneven chunks) holds no token's row
+                return
+            if rows == whole:  # a ring of one: every token is this chunk's
+                out.copy_(F.embedding(given - start, chunk[0]))
+                return
+            if given is flat and flat.numel() * layout.world_size * pieces > _FEW:
+                if not partition:
+                    partition.append(_Partition(flat, layout, pieces))
+                found = partition[0].tokens(rows)
+                if found is not None:
+                    where, held = found
+                    out.index_copy_(0, where, F.embedding(held - start, chunk[0]))
+                    return
+            hit = _in_range(given, start, end)  # -1, the tokens' padding, is in no chunk's range
+            looked = F.embedding(_folded(given, start, end), chunk[0])
+            torch.where(hit.unsqueeze(-1), looked, out, out=out)  # ranges are disjoint: zeros where it hits
 
-        rotate_forward(ring, [weight], layout, [ids.reshape(-1)], [-1], out.view(-1, out.shape[-1]), compute)
+        rotate_forward(ring, [weight], layout, [flat], [-1], out.view(-1, out.shape[-1]), compute)
         ctx.save_for_backward(ids, weight)
         ctx.ring, ctx.layout, ctx.padding_idx = ring, layout, padding_idx
+        ctx.partition = partition[0] if partition else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         ids, weight = ctx.saved_tensors
-        layout = ctx.layout
+        layout, partition = ctx.layout, ctx.partition
         flat_ids = ids.reshape(-1)
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.padding_idx is not None:
-            # vanilla nn.Embedding never updates its padding row
-            flat_ids = flat_ids.masked_fill(flat_ids == ctx.padding_idx, -1)
+        if ctx.padding_idx is not None:  # vanilla nn.Embedding never updates its padding row: its tokens add zeros
+            g = g.masked_fill((flat_ids == ctx.padding_idx).unsqueeze(-1), 0)
 
         def accumulate(rows, _chunk, acc):
             start, end = rows
-            hit = _in_range(flat_ids, start, end)
-            acc[0].index_add_(0, flat_ids[hit] - start, g[hit].to(acc[0].dtype))
+            if end <= start:
+                return
+            found = partition.tokens(rows) if partition is not None else None
+            if found is not None:  # the forward's partition: the pieces of a weight walk, no read
+                where, held = found
+                acc[0].index_add_(0, held - start, g.index_select(0, where).to(acc[0].dtype))
+                return
+            hit = _in_range(flat_ids, start, end).unsqueeze(-1)
+            # folded ids spread the misses' zeros over the piece's rows: no one row takes them all (CUDA atomics)
+            acc[0].index_add_(0, _folded(flat_ids, start, end), torch.where(hit, g, 0).to(acc[0].dtype))
 
         landed = None
         if ctx.needs_input_grad[1]:

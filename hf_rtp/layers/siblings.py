@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.ring import identities
-from .common import cast_for_matmul, local, token_bound
+from .common import brought, cast_for_matmul, local, token_bound
 
 
 class Siblings:
@@ -104,7 +104,7 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
             )
 
     with torch.autocast(x.device.type, enabled=False):
-        walked = ring.token_walk([weights[0][0]], modules[0].layout, [flat], [0.0], out, compute, bound)
+        walked = ring.token_walk([weights[0][0]], modules[0].layout, [flat], [0.0], out, compute, bound, brought(ring))
     if walked is not None:
         return None  # some rank brought more tokens than agreed: every rank walks each op alone
     return [

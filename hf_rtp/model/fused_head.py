@@ -191,8 +191,17 @@ def install_forward(model: PreTrainedModel, fused: bool) -> bool:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = shift_labels.reshape(-1).to(hidden.device)
         keep = targets != ignore_index
+        # The forward's one read on the host (on CUDA, a wait for the device): the kept tokens' rows, once, so
+        # the head's walks skip the ignored ones (a prompt's). Selected by index, the gradient goes back by index
+        # too; a boolean mask would read again for each tensor it selects and in backward.
+        kept = keep.nonzero().squeeze(1)
         per_token = token_losses(
-            model, hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep], vocab_size, transforms, ignore_index
+            model,
+            hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept),
+            targets.index_select(0, kept),
+            vocab_size,
+            transforms,
+            ignore_index,
         )
         if num_items_in_batch is None:
             return per_token.sum() / keep.sum()  # vanilla's mean over kept tokens (nan when there are none)

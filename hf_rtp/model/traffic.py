@@ -8,7 +8,8 @@ records gradients, and its rotation_moves; the ring walks with the most tokens a
 token sets travel padded), and the LM head with the most sequences (generate keeps only each sequence's
 last logits; an op that sees more learns so from its walk, Ring.token_walk). A forward whose inputs this
 module cannot count (images beside the text, a call without input_ids or inputs_embeds) moves weights, on
-every rank.
+every rank. Each rank also keeps what its own forward brought (Ring.brought): an op on no more tokens than
+that reads no count on the host in its walk.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def agree(ring: Ring, everyone: list[list[int]]) -> None:
         )
     counts = [tokens for tokens, *_ in everyone]
     if _UNCOUNTED in counts or ring.moves == "weights":
-        ring.traffic = None
+        clear(ring)
         return
     ring.traffic = Traffic(
         bound=max(counts),
@@ -68,8 +69,9 @@ def agree(ring: Ring, everyone: list[list[int]]) -> None:
         moves=ring.moves,
         grad=any(grad for _, _, grad, _ in everyone),
     )
+    ring.brought = (counts[ring.rank], everyone[ring.rank][1])
 
 
 def clear(ring: Ring) -> None:
     """After a forward or generate: ops called outside one move weights."""
-    ring.traffic = None
+    ring.traffic, ring.brought = None, None

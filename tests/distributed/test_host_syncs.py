@@ -1,0 +1,370 @@
+"""No host synchronisation in a training step's rotated ops, nor in a decode step's (issue 50, point 3).
+
+On CUDA, an op whose result the host reads (a Python scalar, a boolean mask's size, a tensor as a list) waits
+for everything queued on the device before it, and the transfers and kernels behind it stop overlapping. The
+ops that would wait are counted here on the CPU: a TorchDispatchMode records `aten._local_scalar_dense`
+(item(), int(), float(), bool()), `aten.item`, `aten.nonzero`, `aten.masked_select` and `index` / `index_put`
+with a boolean mask, and a TorchFunctionMode `Tensor.tolist` (no aten op on the CPU; a backward runs beyond its
+reach), each at the place whose code made it: its innermost frame outside torch, in hf_rtp or elsewhere.
+
+One training step of a rotated Llama at 2 ranks, in 4 KB pieces so every walk has several (the embedding, every
+linear, the LM head with the fused loss and without; backward, sync_grads, an AdamW step), and each forward of
+a 2-token greedy decode, weights moved or tokens, make no such op in hf_rtp but at the places ALLOWED names,
+and no more elsewhere than vanilla makes on the same batch in the same run. The same for GPT-2 (Conv1D, a
+tied head). An op that sees more tokens than its forward brought (MLA's cached latents) reads its walk's count
+once on every rank, and where one rank would read and another not, every rank fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import traceback
+
+import pytest
+import torch
+from support.models import global_batch, make_tiny
+from support.spawn import run_on_ranks
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PIECE = "4KB"
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "hf_rtp") + os.sep
+_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "equal", "is_nonzero"}
+_MASKED = {"index", "index_put_", "index_put", "_index_put_impl_"}
+_RECORDING = {"_place", "record", "__torch_dispatch__", "__torch_function__"}  # the modes' own frames
+
+# where hf_rtp may read on the host, with why; the most reads allowed per forward (None: any, host memory only)
+ALLOWED = {
+    "distributed/rendezvous.py": (
+        None,
+        "a forward's and generate's meeting: CPU tensors gathered on the gloo entry group, read in host memory",
+    ),
+    "layers/embedding.py __init__": (
+        1,
+        "the embedding's tokens sorted by id once per forward, their positions at the pieces' boundaries read in one "
+        "transfer, where looking every token up in every piece would cost more (tokens x pieces > _FEW)",
+    ),
+    "model/fused_head.py loss_function": (
+        1,
+        "the fused loss gathers the tokens that have labels once per training forward (aten.nonzero), so the LM "
+        "head's walks skip the ignored ones",
+    ),
+}
+# an op that sees more tokens than its forward brought: every rank reads the walk's count, once per walk
+SEES_A_CACHE = "distributed/ring.py _largest"
+# routing by the experts' token counts: vanilla's own routing reads them too (its loop over the experts hit)
+ROUTING = "layers/experts.py __init__"
+
+
+class Reads(TorchDispatchMode):
+    """Counts the ops that wait for a CUDA device, by (phase, op, place); `phase` is set by the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "step"
+        self.counts: collections.Counter = collections.Counter()
+        self._tolist = _ToList(self)
+
+    def __enter__(self):
+        self._tolist.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self._tolist.__exit__(*exc)
+
+    def record(self, op: str) -> None:
+        self.counts[self.phase, op, _place()] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _READS or (name in _MASKED and _boolean(args[1])):
+            self.record(name if name in _READS else f"{name}[bool]")
+        return func(*args, **(kwargs or {}))
+
+
+class _ToList(TorchFunctionMode):
+    def __init__(self, reads: Reads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "tolist":
+            self.reads.record("tolist")
+        return func(*args, **(kwargs or {}))
+
+
+def _boolean(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _place() -> str:
+    """'distributed/ring.py token_walk' for a read hf_rtp's code makes; 'elsewhere' for one whose innermost frame
+    outside torch is not hf_rtp's (transformers, the optimizer's caller, autograd's own backward)."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename.startswith(_TORCH) or (frame.filename == __file__ and frame.name in _RECORDING):
+            continue
+        if frame.filename.startswith(_PACKAGE):
+            return f"{frame.filename[len(_PACKAGE) :]} {frame.name}"
+        return "elsewhere"
+    return "elsewhere"
+
+
+def _per_forward(model, reads: Reads) -> list:
+    """Count each forward of `model` as a phase of its own ('forward 0', ...), and what runs between as 'loop'."""
+    forwards = iter(range(1000))
+
+    def before(*_):
+        reads.phase = f"forward {next(forwards)}"
+
+    def after(*_):
+        reads.phase = "loop"
+
+    return [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+
+
+def _trained(model, batch, rotated: bool) -> collections.Counter:
+    import hf_rtp
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Reads() as reads:
+        model(input_ids=batch, labels=batch).loss.backward()
+        if rotated:
+            hf_rtp.sync_grads(model)
+        optimizer.step()
+    return reads.counts
+
+
+def _decoded(model, prompts, ring=None):
+    settings = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+    reads = Reads()
+    hooks = _per_forward(model, reads)
+    walks = ring.token_walks if ring is not None else 0
+    with reads, torch.no_grad():
+        reads.phase = "loop"
+        tokens = model.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
+    for hook in hooks:
+        hook.remove()
+    return reads.counts, tokens, (ring.token_walks - walks if ring is not None else 0)
+
+
+def _step_and_decode(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    batch = global_batch(world)[rank]
+    # float64: greedy decoding is an argmax, which a float32 near-tie could flip on summation order alone
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)  # vanilla trains a step below
+    prompts = global_batch(world, batch=1 + rank, seq=4 + rank, seed=7)[rank]  # each rank its own shapes
+    found = {}
+    found["decode vanilla"], expected, _ = _decoded(vanilla, prompts)
+    found["train vanilla"] = _trained(vanilla.train(), batch, rotated=False)
+    for fused in (True, False):
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_piece_size=PIECE, fused_loss=fused).train()
+        found[f"train fused_loss={fused}"] = _trained(model, batch, rotated=True)
+        del model
+    walks = {}
+    for moves in ("weights", "activations"):
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_piece_size=PIECE, rotation_moves=moves)
+        if moves == "weights":  # outside a forward the embedding's weights walk, in pieces: every value vanilla's
+            with torch.no_grad():
+                embedded = model.get_input_embeddings()(batch)
+            assert torch.equal(embedded, reference.get_input_embeddings()(batch)), f"rank {rank}: embedding differs"
+        found[f"decode {moves}"], tokens, walks[moves] = _decoded(model, prompts, hf_rtp.state_of(model).topology.ring)
+        assert torch.equal(tokens, expected), f"{moves}, rank {rank}: {tokens.tolist()} != {expected.tolist()}"
+        del model
+    assert walks["weights"] == 0 and walks["activations"] > 0, walks  # both ways were walked
+    return {case: dict(counts) for case, counts in found.items()}
+
+
+def _unexpected(found: dict, allowed: dict) -> list[str]:
+    """What a rotated case reads beyond ALLOWED (and `allowed`, extra places for this test) and vanilla's reads."""
+    wrong = []
+    for case, counts in found.items():
+        if "vanilla" in case:
+            continue
+        theirs = found[case.split()[0] + " vanilla"]
+        for (phase, op, place), n in counts.items():
+            if place == "elsewhere":
+                if phase != "loop" and n > theirs.get((phase, op, place), 0):  # generate's own loop: synced_gpus
+                    wrong.append(
+                        f"{case}, {phase}: {n} x {op} outside hf_rtp, vanilla {theirs.get((phase, op, place))}"
+                    )
+                continue
+            rule = next((r for prefix, r in {**ALLOWED, **allowed}.items() if place.startswith(prefix)), None)
+            if rule is None or (rule[0] is not None and n > rule[0]):
+                wrong.append(f"{case}, {phase}: {n} x {op} at {place}")
+    return wrong
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_training_step_and_a_decode_step_wait_for_the_device_no_more_than_vanilla(tmp_path, arch):
+    ckpt = make_tiny(arch, tmp_path / "ckpt")
+    for rank, found in enumerate(run_on_ranks(_step_and_decode, 2, ckpt)):
+        assert not _unexpected(found, {}), (rank, _unexpected(found, {}))
+        # the training forward's one allowed read is there: the fused loss ran
+        assert any(place.startswith("model/fused_head.py") for _, _, place in found["train fused_loss=True"]), rank
+
+
+def _many_tokens(ckpt):
+    """A training step on enough tokens that the embedding sorts them (tokens x pieces > _FEW): what it reads on
+    the host, and its gradient's and output's distance from vanilla's (DDP's mean over both ranks' batches)."""
+    from support.compare import backward_both, rows
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.layers.embedding import _FEW
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    batches = list(global_batch(world, batch=8, seq=80, seed=5))
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_piece_size=PIECE, tie_word_embeddings=False)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, tie_word_embeddings=False)
+    embed = model.model.embed_tokens
+    pieces = hf_rtp.state_of(model).topology.ring.pieces(embed.layout, embed.weight)
+    assert batches[rank].numel() * world * pieces > _FEW, pieces
+    with Reads() as reads:
+        reads.phase = "forward"
+        embedded = model.get_input_embeddings()(batches[rank])
+    assert torch.equal(embedded, ref.get_input_embeddings()(batches[rank])), rank  # bit for bit
+    backward_both(model, ref, batches, rank)
+    mine = embed.weight.grad.to_local()
+    want = ref.model.embed_tokens.weight.grad[rows(embed.weight, world, rank)]
+    return dict(reads.counts), (mine - want).abs().max().item(), want.abs().max().item()
+
+
+def test_many_tokens_are_looked_up_by_one_read_a_forward_and_give_vanillas_gradient(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for rank, (reads, gap, scale) in enumerate(run_on_ranks(_many_tokens, 2, ckpt)):
+        assert reads == {("forward", "tolist", "layers/embedding.py __init__"): 1}, (rank, reads)
+        assert gap <= 1e-12 * scale, (rank, gap, scale)
+
+
+def _walks(wide: int, rows: int):
+    """On each rank of a ring of two, an op that moves its tokens (F.linear on a rotated weight) with the counts a
+    forward's start agreed on: how often it walked, what it read on the host, and its distance from vanilla's."""
+    from hf_rtp.distributed.ring import Traffic
+    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.distributed.topology import setup
+    from hf_rtp.errors import CollectiveMisuseError
+    from hf_rtp.layers.common import local, rotate_forward
+    from hf_rtp.model.install import rotated_parameter
+    from hf_rtp.settings import Settings
+
+    topology = setup(Settings.resolve(device="cpu"))
+    ring, rank = topology.ring, topology.rank
+    whole = torch.randn(rows, wide, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    layout = ChunkLayout((whole.shape,), ring.size)
+    start, end = layout.bounds(rank)
+    own = local(rotated_parameter(whole[start:end].clone(), whole.shape, topology)).detach()
+    ring.plan(layout, own)
+
+    def compute(tokens, into, rows_, chunk):
+        into[:, rows_[0] : rows_[1]] = torch.nn.functional.linear(tokens[0], chunk[0])
+
+    def run(tokens: int, bound: int, brought: int):
+        x = torch.randn(tokens, wide, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+        out = torch.full((tokens, rows), float("nan"), dtype=torch.float64)
+        ring.traffic = Traffic(bound=bound, sequences=bound, moves="activations", grad=False)
+        ring.brought, walks = (brought, brought), ring.token_walks
+        try:
+            with Reads() as reads:
+                rotate_forward(ring, [own], layout, [x], [0.0], out, compute, x.dtype)
+        except (CollectiveMisuseError, RuntimeError) as err:
+            return type(err).__name__, str(err)
+        finally:
+            ring.traffic, ring.brought = None, None
+        error = (out - torch.nn.functional.linear(x, whole)).abs().max().item()
+        return ring.token_walks - walks, dict(reads.counts), error
+
+    return {
+        # every op but one that sees a cache: no more than its forward brought, so no read
+        "as brought": run(1 + rank, bound=2, brought=1 + rank),
+        # MLA's expanded latents on every rank: each reads, and rank 1's 4 tokens make both walk again by 4
+        "more than brought, everywhere": run(3 + rank, bound=2, brought=1 + rank),
+        # rank 1 brings more than agreed to an op that, on rank 0, sees what its forward brought: rank 0 does not
+        # read, so it cannot walk again; both fail, rank 0 by its device assertion
+        "more than agreed, on one rank only": run(1 + 2 * rank, bound=2, brought=1),
+        "after": run(1 + rank, bound=2, brought=1 + rank),  # nothing half-walked: the ring works on
+    }
+
+
+def test_a_walk_reads_its_count_only_where_an_op_sees_more_tokens_than_its_forward_brought():
+    # 32 of 64 rows x 64 float64 per rank: a 16 KB slot, which holds a token walk of up to 4 rows per rank
+    per_rank = run_on_ranks(_walks, 2, 64, 64)
+    for rank, found in enumerate(per_rank):
+        for case in ("as brought", "after"):
+            walks, reads, error = found[case]
+            assert walks == 1 and not reads and error < 1e-12, (rank, case, found[case])
+        walks, reads, error = found["more than brought, everywhere"]
+        assert walks == 2 and error < 1e-12, (rank, found)
+        # one read: the walk again by the largest count, which no rank exceeds, reads nothing
+        assert reads == {("step", "_local_scalar_dense", SEES_A_CACHE): 1}, (rank, reads)
+        kind, message = found["more than agreed, on one rank only"]
+        assert kind == ("RuntimeError" if rank == 0 else "CollectiveMisuseError"), (rank, kind, message)
+        assert 'rotation_moves="weights"' in message and "[64, 64]" in message, message
+
+
+def _decode_on_cached_latents(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    extra = dict(attn_implementation="eager", experts_implementation="eager")  # float64 kernels
+    prompts = global_batch(world, batch=1 + rank, seq=4 + rank, seed=7)[rank]
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, **extra)
+    found = {}
+    found["decode vanilla"], expected, _ = _decoded(vanilla, prompts)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves="activations", **extra)
+    found["decode activations"], tokens, walks = _decoded(model, prompts, hf_rtp.state_of(model).topology.ring)
+    assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} != {expected.tolist()}"
+    return {case: dict(counts) for case, counts in found.items()}, walks, model.config.num_hidden_layers
+
+
+def test_an_op_on_cached_latents_reads_its_count_once_a_decode_step_on_every_rank(tmp_path):
+    """DeepSeek-V3's kv_b_proj expands every cached latent at each decode step: more tokens than the step brought,
+    on every rank, so each rank reads the walk's count (once: the walk again by that count cannot exceed it)."""
+    from support.zoo import make_zoo_checkpoint
+
+    ckpt = make_zoo_checkpoint("deepseek_v3", tmp_path / "ckpt")
+    for rank, (found, walks, layers) in enumerate(run_on_ranks(_decode_on_cached_latents, 2, ckpt)):
+        extra = {SEES_A_CACHE: (layers, "kv_b_proj, once a layer"), ROUTING: (None, "MoE routing")}
+        assert walks > 0 and not _unexpected(found, extra), (rank, walks, _unexpected(found, extra))
+        cached = {phase: n for (phase, _, place), n in found["decode activations"].items() if place == SEES_A_CACHE}
+        assert cached == {"forward 1": layers}, (rank, cached)  # the prefill brings no cache: no read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch's sync debug mode watches CUDA's waits")
+def test_the_embedding_looks_up_and_sums_on_cuda_without_waiting_for_the_device():
+    """On CUDA, torch itself fails an op that waits for the device (set_sync_debug_mode): the embedding's lookup
+    and its gradient sum on a ring of one (one piece, every id a hit, the padding row's gradient dropped) make
+    none, and give vanilla's lookup bit for bit and its gradient."""
+    import torch.nn.functional as F
+
+    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.layers.embedding import _RotatedEmbeddingFn
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(101, 32, generator=generator).cuda().requires_grad_()
+    vanilla = weight.detach().clone().requires_grad_()
+    ids = torch.randint(0, 101, (4, 9), generator=generator).cuda()
+    ids[0, :3] = 5  # the padding index, repeated
+    grad = torch.randn(4, 9, 32, generator=generator).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = _RotatedEmbeddingFn.apply(ids, weight, Ring(None), ChunkLayout((weight.shape,), 1), 5)
+        out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = F.embedding(ids, vanilla, padding_idx=5)
+    expected.backward(grad)
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(weight.grad, vanilla.grad)
