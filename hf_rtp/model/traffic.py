@@ -15,6 +15,7 @@ that reads no count on the host in its walk.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..distributed.ring import Ring, Traffic
 from ..errors import CollectiveMisuseError
@@ -69,7 +70,10 @@ def agree(ring: Ring, everyone: list[list[int]]) -> None:
         moves=ring.moves,
         grad=any(grad for _, _, grad, _ in everyone),
     )
-    ring.brought = (counts[ring.rank], everyone[ring.rank][1])
+    # `everyone` is every rank of the world, in global rank order (rendezvous.enter): on a 2-D grid this ring's rank
+    # is not this rank's place there
+    me = everyone[dist.get_rank() if dist.is_initialized() else 0]
+    ring.brought = (me[0], me[1])
 
 
 def clear(ring: Ring) -> None:

@@ -244,6 +244,26 @@ def test_many_tokens_are_looked_up_by_one_read_a_forward_and_give_vanillas_gradi
         assert gap <= 1e-12 * scale, (rank, gap, scale)
 
 
+def _brought_on_a_grid(ckpt):
+    """What each rank's ring records as its own forward's tokens, on 2 rings of 2 with every rank bringing its own
+    count: the forward's meeting gathers the whole world, in global rank order, not the ring's."""
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rtp_size=2)
+    ring, seen = hf_rtp.state_of(model).topology.ring, []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(ring.brought))
+    with torch.no_grad():
+        model(global_batch(4, batch=1 + rank, seq=3 + rank)[rank])
+    return seen[0]
+
+
+def test_on_a_two_dimensional_grid_each_rank_keeps_its_own_count(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for rank, brought in enumerate(run_on_ranks(_brought_on_a_grid, 4, ckpt)):
+        assert brought == ((1 + rank) * (3 + rank), 1 + rank), (rank, brought)
+
+
 def _walks(wide: int, rows: int):
     """On each rank of a ring of two, an op that moves its tokens (F.linear on a rotated weight) with the counts a
     forward's start agreed on: how often it walked, what it read on the host, and its distance from vanilla's."""
