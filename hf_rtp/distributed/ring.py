@@ -213,6 +213,7 @@ class Ring:
                 timeout_s if timeout_s is not None else 600.0,
                 abort=getattr(group, "abort", None) if nccl else None,
                 grace_s=WATCH_GRACE_S if nccl else None,
+                device=self.device,
             )
         self._hops: torch.Tensor | None = None  # the watched ring's hops so far, on the device: headers carry it
         self._tags: dict[int, torch.Tensor] = {}
@@ -277,7 +278,7 @@ class Ring:
             self._watch.post(works, what)
         if landings:  # staged: what arrived in host memory goes to the device once it is there
             after = functools.partial(_land, landings, after)
-        return Pending(works, after=after)
+        return Pending(works, after=after, failed=self._watch.check if self._watch is not None else None)
 
     def _one_by_one(self, peers: list) -> tuple[list, list]:
         """Plain isend/irecv (gloo's batched path has been seen to hang), each message copied through host memory
@@ -654,6 +655,8 @@ class Ring:
                 piece = own[lo - first : hi - first].contiguous()
                 send = [(dist.isend, piece, self._global_rank(0), _COLLECT_TAG)]
                 self._post(send, "sending rows to ring rank 0").wait()
+                if self.device.type == "cuda":  # NCCL's wait does not hold the host: without this a rank would post
+                    torch.cuda.current_stream(self.device).synchronize()  # every piece, then wait out rank 0's save
             return
 
         for lo, hi in pieces(0):

@@ -28,7 +28,7 @@ Transport = Literal["batched", "plain", "staged"]
 TRANSPORTS: tuple[Transport, ...] = ("batched", "plain", "staged")
 # Which device types each backend can send point to point (torch's backend table: gloo's send/recv take CPU
 # tensors only; NCCL's CUDA ones); and which device types a bare backend name serves (BackendConfig's rule).
-_SENDS = {"gloo": frozenset({"cpu"}), "nccl": frozenset({"cuda"}), "mpi": frozenset({"cpu", "cuda"})}
+_SENDS = {"gloo": frozenset({"cpu"}), "nccl": frozenset({"cuda"})}
 _SERVES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "ucc": ("cpu", "cuda")}
 
 
@@ -51,9 +51,10 @@ def transport_for(config: str, device_type: str) -> Transport:
     no backend of the group can carry them, even through host memory)."""
     backends = backend_map(config)
     backend = backends.get(device_type)
-    if backend is not None and device_type in _SENDS.get(backend, frozenset()):
+    if backend is not None and device_type in _SENDS.get(backend, {device_type}):  # others (ucc, mpi): as asked
         return "batched" if backend == "nccl" else "plain"
-    if device_type != "cpu" and "cpu" in _SENDS.get(backends.get("cpu", ""), frozenset()):
+    cpu = backends.get("cpu")
+    if device_type != "cpu" and cpu is not None and "cpu" in _SENDS.get(cpu, {"cpu"}):
         return "staged"  # the group's CPU backend carries a host copy of each message
     raise TopologyError(
         f"hf_rtp's ring cannot send {device_type} tensors on a process group whose backends are {config!r}: "

@@ -36,8 +36,17 @@ _POLL_S = 0.2  # how often the oldest hop is looked at while any is in flight: a
 
 
 class Watch:
-    def __init__(self, timeout_s: float, abort: Callable[[], None] | None = None, grace_s: float | None = None):
+    def __init__(
+        self,
+        timeout_s: float,
+        abort: Callable[[], None] | None = None,
+        grace_s: float | None = None,
+        device: torch.device | None = None,
+    ):
         self.timeout_s = timeout_s
+        self.device = device
+        """the ring's device: the thread's CUDA calls go there (a new thread starts on GPU 0, and a CUDA call there
+        would make a context on GPU 0 for every rank of a node)"""
         self.grace_s = grace_s
         """seconds after a failure before the process is ended if the ring was not reached (None: never)"""
         self._abort = abort
@@ -82,12 +91,22 @@ class Watch:
             self._lock.notify()
 
     def check(self) -> None:
-        """Raise the failure the watch recorded, if any (the ring calls this at every hop)."""
+        """Raise the failure the watch recorded, if any (the ring calls this at every hop, and a wait that failed
+        calls it first, so a script that catches the error is not ended for want of reaching the ring)."""
         if self.failure is not None:
             self._raised = True
             raise self.failure
 
     def _run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            self._watch()
+        except Exception as err:  # a sticky CUDA error in a query: nothing would watch the ring any more
+            self._fail(f"watching its hops failed ({type(err).__name__}: {err})")
+
+    def _watch(self) -> None:
+        since = time.monotonic()  # when the oldest hop in flight began to wait: the hop before it completed then
         while True:
             with self._lock:
                 while not self._hops and not self._flags:
@@ -107,10 +126,16 @@ class Watch:
             while hops and problem is None:
                 posted, works, what = hops[0]
                 if all(w.is_completed() for w in works):
+                    failed = next((e for e in (_exception(w) for w in works) if e is not None), None)
+                    if failed is not None:  # NCCL completes a work that failed (a peer's link closed)
+                        problem = f"{what} failed ({failed})"
+                        break
                     with self._lock:
                         hops.popleft()
+                    since = time.monotonic()
                     continue
-                waited = time.monotonic() - posted
+                # hops queue behind each other (a save posts every piece at once): each waits from the one before
+                waited = time.monotonic() - max(posted, since)
                 if waited > self.timeout_s:
                     problem = (
                         f"{what} was still in flight after {waited:.0f} s, past hf_rtp's timeout (HF_RTP_TIMEOUT): "
@@ -120,6 +145,8 @@ class Watch:
             if problem is not None:
                 self._fail(problem)
                 return
+            if not hops:
+                since = time.monotonic()
             time.sleep(_POLL_S)
 
     def _fail(self, problem: str) -> None:
@@ -144,3 +171,11 @@ class Watch:
             flush=True,
         )
         os._exit(1)
+
+
+def _exception(work) -> object | None:
+    """The error a completed work carries, if any (None where the backend keeps none)."""
+    try:
+        return work.exception()
+    except (RuntimeError, NotImplementedError):
+        return None

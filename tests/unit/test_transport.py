@@ -28,6 +28,9 @@ CASES = [
     ("cpu:gloo,cuda:gloo", "cuda", "staged"),
     ("cpu:gloo", "cuda", "staged"),  # a CPU build's world started without a backend, asked for GPU tensors
     (" CPU:gloo , CUDA:nccl ", "cuda", "batched"),
+    ("ucc", "cpu", "plain"),  # backends hf_rtp knows no rule for send as they are asked to, as before
+    ("ucc", "cuda", "plain"),
+    ("mpi", "cpu", "plain"),
 ]
 
 
