@@ -18,6 +18,7 @@ from support.compare import (
     STEP_ATOL,
     adamw,
     assert_matches,
+    grad_gaps_rows,
     rows,
     trainable_grad_gaps,
     vanilla_training_path,
@@ -98,7 +99,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
     hf_rtp.sync_grads(model)
     if variant == "autocast":  # bf16 partial outputs merged in float32, where vanilla rounds once
         torch.testing.assert_close(loss, ref_loss, atol=2e-3, rtol=2e-3)
-        gaps = trainable_grad_gaps_rows(model, ref, world, rank)
+        gaps = grad_gaps_rows(model, ref, world, rank)
         assert all(gap <= 2e-3 + 5e-2 * scale for gap, scale in gaps.values()), gaps
         return loss.item()
     torch.testing.assert_close(loss, ref_loss, atol=1e-7, rtol=1e-6)  # the fused loss sums in float32
@@ -113,21 +114,6 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
         optimizer.zero_grad()
     assert_matches(model, ref, world, rank, "param", atol=STEP_ATOL)
     return loss.item()
-
-
-def trainable_grad_gaps_rows(model, ref, world, rank):
-    """(largest gap, largest vanilla gradient) of every trainable parameter, rotated ones as this rank's rows."""
-    from torch.distributed.tensor import DTensor
-
-    theirs = dict(ref.named_parameters())
-    gaps = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            mine, want = p.grad, theirs[name].grad
-            if isinstance(p, DTensor):
-                mine, want = mine.to_local(), want[rows(p, world, rank)]
-            gaps[name] = ((mine.float() - want.float()).abs().max().item(), want.abs().max().item())
-    return gaps
 
 
 @pytest.mark.parametrize(

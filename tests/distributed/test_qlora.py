@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from support.compare import trainable_grad_gaps, vanilla_training_path
+from support.compare import lora_step_both, trainable_grad_gaps, vanilla_training_path
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -34,16 +34,6 @@ def _bnb(quant_type="nf4", double=False, compute=torch.float32):
         bnb_4bit_use_double_quant=double,
         bnb_4bit_compute_dtype=compute,
     )
-
-
-def _adapters(model):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    torch.manual_seed(0)
-    targets = GPT2_TARGETS if model.config.model_type == "gpt2" else TARGETS
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
-    return get_peft_model(model, config)
 
 
 def _vanilla_rows(vanilla, name, rank, world):
@@ -93,22 +83,13 @@ def _compare(ckpt, quant_type, double, dtype=torch.float32, saved=False):
 def beside_vanilla(model, vanilla):
     """Eval logits of both on this rank's batch, then LoRA on both (vanilla under DDP), one backward each: the
     adapted model, the largest logit gap, both losses and every trainable gradient's gap."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    import hf_rtp
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world, seq=12)[rank]
     with torch.no_grad():
         logits = [m(input_ids=batch).logits for m in (model, vanilla)]
-    model, vanilla = _adapters(model).train(), _adapters(vanilla).train()
-    losses = []
-    for m in (model, DistributedDataParallel(vanilla)):
-        loss = m(input_ids=batch, labels=batch).loss
-        loss.backward()
-        losses.append(loss.item())
-    hf_rtp.sync_grads(model)
-    return model, (logits[0] - logits[1]).abs().max().item(), losses, trainable_grad_gaps(model, vanilla)
+    targets = GPT2_TARGETS if model.config.model_type == "gpt2" else TARGETS
+    model, losses, gaps = lora_step_both(model, vanilla, batch, targets)
+    return model, (logits[0] - logits[1]).abs().max().item(), losses, gaps
 
 
 def assert_like_vanilla(rank, stored, logits, losses, grads, quantized=14, adapted=6):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_world import NO_CUDA, join_world
-from support.compare import rows
+from support.compare import grad_gaps_rows
 from support.models import VOCAB, make_tiny
 from support.spawn import run_on_ranks
 
@@ -48,7 +48,6 @@ def _variant_beside_vanilla(ckpt, dtype_name, autocast, forced):
     """One training step of hf_rtp under context parallelism with `forced` the only SDPA backend, and vanilla's on
     the whole sequence with SDPA's own pick: the losses, each gradient's (gap, scale), the kernels the ring used."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM
 
@@ -76,13 +75,7 @@ def _variant_beside_vanilla(ckpt, dtype_name, autocast, forced):
         ref_loss.backward()
     hf_rtp.sync_grads(model)
     used = sorted({key[2] for key in attention._TRUSTED - before})
-    vanilla = dict(ref.named_parameters())
-    gaps = {}
-    for name, p in model.named_parameters():
-        mine, want = p.grad, vanilla[name].grad
-        if isinstance(p, DTensor):
-            mine, want = mine.to_local(), want[rows(p, world, rank)]
-        gaps[name] = ((mine.float() - want.float()).abs().max().item(), want.float().abs().max().item())
+    gaps = grad_gaps_rows(model, ref, world, rank)
     return loss.item(), ref_loss.item(), gaps, used
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_world import NO_CUDA, join_world
-from support.compare import rows
+from support.compare import grad_gaps_rows
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -28,7 +28,6 @@ def _labels(batch):
 
 def _fused_beside_vanilla(ckpt):
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
@@ -54,13 +53,7 @@ def _fused_beside_vanilla(ckpt):
     hf_rtp.sync_grads(model)
     torch.stack(ref_losses).mean().backward()
 
-    vanilla = dict(ref.named_parameters())
-    gaps = {}
-    for name, p in model.named_parameters():
-        mine, want = p.grad, vanilla[name].grad
-        if isinstance(p, DTensor):
-            mine, want = mine.to_local(), want[rows(p, world, rank)]
-        gaps[name] = ((mine - want).abs().max().item(), want.abs().max().item())
+    gaps = grad_gaps_rows(model, ref, world, rank)
     return default_tile, out.logits is None, whole, out.loss.item(), ref_losses[rank].item(), gaps
 
 

@@ -20,7 +20,7 @@ import importlib.util
 import pytest
 import torch
 from gpu_world import NO_CUDA, join_world
-from support.compare import trainable_grad_gaps, vanilla_training_path
+from support.compare import lora_step_both, vanilla_training_path
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 
@@ -59,15 +59,6 @@ def _quantization():
     )
 
 
-def _adapters(model):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    torch.manual_seed(0)  # the same adapters on both
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=TARGETS)
-    return get_peft_model(model, config)
-
-
 def _same_weights(model, vanilla, rank: int, world: int) -> dict[str, tuple[bool, bool]]:
     """Per 4-bit linear: (this rank's packed rows and scales are vanilla's, its dequantized rows are vanilla's)."""
     import bitsandbytes.functional as bnb_functional
@@ -96,7 +87,6 @@ def _same_weights(model, vanilla, rank: int, world: int) -> dict[str, tuple[bool
 
 def _qlora_beside_vanilla(ckpt):
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
@@ -114,14 +104,8 @@ def _qlora_beside_vanilla(ckpt):
     with torch.no_grad():
         ours, theirs = (m(input_ids=batch).logits for m in (model, vanilla))
     logits = ((ours - theirs).abs().max().item(), theirs.abs().max().item())
-    model, vanilla = _adapters(model).train(), _adapters(vanilla).train()
-    losses = []
-    for m in (model, DistributedDataParallel(vanilla)):
-        loss = m(input_ids=batch, labels=batch).loss
-        loss.backward()
-        losses.append(loss.item())
-    hf_rtp.sync_grads(model)
-    return same, logits, losses, trainable_grad_gaps(model, vanilla)
+    _, losses, gaps = lora_step_both(model, vanilla, batch, TARGETS)
+    return same, logits, losses, gaps
 
 
 def test_a_4bit_base_on_cuda_keeps_vanillas_weights_and_its_outputs_to_bf16_rounding(tmp_path):

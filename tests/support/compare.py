@@ -142,6 +142,47 @@ def trainable_grad_gaps(model, reference) -> dict[str, tuple[float, float]]:
     }
 
 
+def grad_gaps_rows(model, ref, world, rank) -> dict[str, tuple[float, float]]:
+    """(largest gap, largest vanilla gradient) of every trainable parameter, rotated ones as this rank's rows, in
+    float32 (bf16 gradients compared as their values, not their rounding), as plain floats."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(ref.named_parameters())
+    gaps = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            mine, want = p.grad, theirs[name].grad
+            if isinstance(p, DTensor):
+                mine, want = mine.to_local(), want[rows(p, world, rank)]
+            gaps[name] = ((mine.float() - want.float()).abs().max().item(), want.float().abs().max().item())
+    return gaps
+
+
+def lora_step_both(model, vanilla, batch, targets) -> tuple:
+    """The same LoRA adapters (r=4, seeded, B not zero) on a quantized model and on its vanilla reference, then one
+    backward on `batch` each, vanilla's under DDP, hf_rtp's replicated gradients averaged: (the adapted model, both
+    losses, every trainable gradient's gap)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hf_rtp
+
+    def adapted(m):
+        m = prepare_model_for_kbit_training(m, use_gradient_checkpointing=False)
+        torch.manual_seed(0)  # the same adapters on both
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
+        return get_peft_model(m, config).train()
+
+    model, vanilla = adapted(model), adapted(vanilla)
+    losses = []
+    for m in (model, DistributedDataParallel(vanilla)):
+        loss = m(input_ids=batch, labels=batch).loss
+        loss.backward()
+        losses.append(loss.item())
+    hf_rtp.sync_grads(model)
+    return model, losses, trainable_grad_gaps(model, vanilla)
+
+
 def hf_rtp_records() -> list:
     """Every record hf_rtp logs in this process from now on (a rank's own, whatever its level)."""
     import logging
