@@ -125,11 +125,10 @@ class Watch:
                         )
             while hops and problem is None:
                 posted, works, what = hops[0]
+                # A work NCCL completed with an error (a peer's network link closed) is popped as done: torch's own
+                # NCCL error handling ends the job then, naming a remote error. Work.exception(), which would tell,
+                # logs a deprecation warning from torch in every process that calls it.
                 if all(w.is_completed() for w in works):
-                    failed = next((e for e in (_exception(w) for w in works) if e is not None), None)
-                    if failed is not None:  # NCCL completes a work that failed (a peer's link closed)
-                        problem = f"{what} failed ({failed})"
-                        break
                     with self._lock:
                         hops.popleft()
                     since = time.monotonic()
@@ -171,11 +170,3 @@ class Watch:
             flush=True,
         )
         os._exit(1)
-
-
-def _exception(work) -> object | None:
-    """The error a completed work carries, if any (None where the backend keeps none)."""
-    try:
-        return work.exception()
-    except (RuntimeError, NotImplementedError):
-        return None
