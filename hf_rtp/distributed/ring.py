@@ -54,8 +54,7 @@ _GRAD_TAG = 64
 _COLLECT_TAG = 128
 _TOKEN_TAG = 192
 _OUTPUT_TAG = 224
-_KINDS = {_WEIGHT_TAG: "weights", _GRAD_TAG: "gradients", _COLLECT_TAG: "a checkpoint's rows", _TOKEN_TAG: "tokens"}
-_KINDS[_OUTPUT_TAG] = "outputs"
+_KINDS = {_WEIGHT_TAG: "weights", _GRAD_TAG: "gradients", _TOKEN_TAG: "tokens", _OUTPUT_TAG: "outputs"}
 # A message's latency, in the bytes a link moves meanwhile: gloo between CPU processes about 0.2 ms at about
 # 1 GB/s, NCCL about 10 us at 10-100 GB/s. An op whose weights are about this small walks them, in fewer hops.
 HOP_BYTES = 256 * 1024
@@ -253,9 +252,9 @@ class Ring:
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
         self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
-        what = f"a hop of {_KINDS[tag]} from global rank {self._prev}"
-        after = None
+        what, after = "", None  # what names a hop only to a watch: no string built per hop otherwise
         if self._watch is not None:
+            what = f"a hop of {_KINDS[tag]} from global rank {self._prev}"
             header = self._header(tag)
             arrived = torch.empty_like(header)
             sends, recvs = [*sends, (header, tag)], [*recvs, (arrived, tag)]

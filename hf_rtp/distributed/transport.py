@@ -25,7 +25,6 @@ from typing import Literal
 from ..errors import TopologyError
 
 Transport = Literal["batched", "plain", "staged"]
-TRANSPORTS: tuple[Transport, ...] = ("batched", "plain", "staged")
 # Which device types each backend can send point to point (torch's backend table: gloo's send/recv take CPU
 # tensors only; NCCL's CUDA ones); and which device types a bare backend name serves (BackendConfig's rule).
 _SENDS = {"gloo": frozenset({"cpu"}), "nccl": frozenset({"cuda"})}
