@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveMisuseError
-from ..private.torch_names import assert_async, version
+from ..private.torch_names import ASSERT_MESSAGE_LIMIT, assert_async, version
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
 from .pending import Pending
 from .replicas import ReplicaSum
@@ -63,6 +63,11 @@ HOP_BYTES = 256 * 1024
 # which would abort with a message about a SEND or RECV, never comes first (topology.py).
 WATCH_GRACE_S = 30.0
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
+# a token walk's count checked on the device where this rank did not read it (_largest); under CUDA's 255
+_UNREAD_SHORT = (
+    "hf_rtp: a rotated op{weights} saw more tokens on some rank than its forward's ranks agreed on; this rank did "
+    'not read the count. Load with rotation_moves="weights", or give every rank inputs of one shape'
+)
 Rows = tuple[int, int]
 
 
@@ -601,18 +606,21 @@ class Ring:
         """The most tokens any rank brought to a token walk (`most`: [that count, 1 if some rank does not read it]),
         read on the host where this rank `reads`; else `bound`, which a device assertion checks without a read."""
         weights = " and ".join(str(list(s)) for s in layout.global_shapes)
-        unread = (
-            f"a rotated op (weights {weights}) that moves tokens saw more tokens on some rank than the {bound} its "
-            f"forward's ranks agreed on (rank {self.rank}: {count}), and on another no more than that rank's own "
-            "forward brought, so that rank did not read the count and cannot walk the op again with the others. "
-            'Load with rotation_moves="weights", or give every rank inputs of one shape'
-        )
         if not reads:
-            assert_async(most[0] <= bound, unread)
+            # CUDA holds a device assertion's message under 255 characters: the long one below is the host's
+            short = _UNREAD_SHORT.format(weights=f" (weights {weights})")
+            assert_async(
+                most[0] <= bound, short if len(short) <= ASSERT_MESSAGE_LIMIT else _UNREAD_SHORT.format(weights="")
+            )
             return bound
         largest, some_unread = divmod(int(most[0] * 2 + most[1]), 2)  # one read for both
         if largest > bound and some_unread:
-            raise CollectiveMisuseError(unread)
+            raise CollectiveMisuseError(
+                f"a rotated op (weights {weights}) that moves tokens saw more tokens on some rank than the {bound} "
+                f"its forward's ranks agreed on (rank {self.rank}: {count}), and on another no more than that rank's "
+                "own forward brought, so that rank did not read the count and cannot walk the op again with the "
+                'others. Load with rotation_moves="weights", or give every rank inputs of one shape'
+            )
         return largest
 
     def _walk_outputs(self, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound) -> None:

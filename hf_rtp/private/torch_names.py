@@ -44,8 +44,19 @@ queue_callback = _get(torch.autograd.Variable, "_execution_engine.queue_callback
 # DDP's bucketing helpers, for sync_grads' one all-reduce per dtype (model/data_parallel.py)
 flatten_dense_tensors = _get(torch._utils, "_flatten_dense_tensors")
 unflatten_dense_tensors = _get(torch._utils, "_unflatten_dense_tensors")
-# a device-side check without a host sync (layers/embedding.py, model/fused_head.py)
-assert_async = _get(torch, "_assert_async")
+# a device-side check without a host sync (layers/embedding.py, model/fused_head.py, distributed/ring.py)
+_assert_async = _get(torch, "_assert_async")
+ASSERT_MESSAGE_LIMIT = 254  # CUDA's `_assert_async` refuses a message of 255 characters or more; the CPU takes any
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """`torch._assert_async(condition, message)`, held to CUDA's limit on every device, so that the CPU suite
+    fails on a message the first GPU user would have met as "Message length must be smaller than 255"."""
+    if len(message) > ASSERT_MESSAGE_LIMIT:
+        raise ValueError(f"a device assertion's message is {len(message)} characters, over CUDA's limit: {message!r}")
+    _assert_async(condition, message)
+
+
 # the attribute DDP reads for the names it must leave alone (model/data_parallel.py)
 DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
