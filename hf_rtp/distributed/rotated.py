@@ -26,10 +26,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import CollectiveMisuseError, RotatedStateError
 from ..private.torch_names import (
+    SUBCLASS_DISPATCH_BYPASSED,
     amp_unscale,
+    amp_unscale_function,
+    disable_torch_function_subclass,
     foreach_type_lists,
     implicit_replication,
     local_tensor,
+    overload,
     set_implicit_replication,
 )
 from . import blockwise, rendezvous
@@ -157,41 +161,7 @@ class RotatedTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # DTensor's own handler for subclasses wraps every argument in a new DTensor; setting the class of
-        # this op's rotated arguments to DTensor for the call (and back) does the same for a third of the cost
-        rotated = [t for t in _tensors(args) if type(t) is RotatedTensor]
-        rotated += [t for t in _tensors((kwargs or {}).values()) if type(t) is RotatedTensor]
-        if rotated and getattr(func, "namespace", None) == "c10d":
-            raise RotatedStateError(_C10D_REFUSED.format(op=func))
-        if rotated and getattr(func, "namespace", None) == "bitsandbytes":
-            return blockwise.step_rows(func, args, kwargs or {})  # an optimizer's update, on this rank's rows
-        if func is amp_unscale and not isinstance(args[0][0], DTensor):
-            # in place per tensor, one found_inf for all: the order is free, and DTensor's handler wants a
-            # DTensor first (it takes the mesh from it and reduces found_inf over the ring, for every tensor)
-            args = (sorted(args[0], key=lambda t: not isinstance(t, DTensor)), *args[1:])
-        allowed = implicit_replication()
-        try:
-            for t in rotated:
-                t.__class__ = DTensor
-            set_implicit_replication(True)
-            try:
-                out = func(*args, **(kwargs or {}))
-            except RuntimeError as err:  # an op that redistributes communicates on the ring
-                _raise_if_skipped(str(func), err)
-                raise
-            except AssertionError as err:  # DTensor's, without a message: say what it means here
-                raise RotatedStateError(_MIXED_REFUSED.format(op=func)) from err
-        finally:
-            set_implicit_replication(allowed)
-            for t in rotated:
-                t.__class__ = RotatedTensor
-        if isinstance(out, DTensor):
-            return _marked_if_rotation(out)
-        if isinstance(out, (list, tuple)):
-            for t in out:
-                if isinstance(t, DTensor):
-                    _marked_if_rotation(t)
-        return out
+        return _run_op(func, args, kwargs or {})
 
     # nn.Parameter(t) and Module._apply need detach(), copy.deepcopy needs clone(), to keep the class
     def detach(self) -> RotatedTensor:
@@ -227,6 +197,75 @@ class RotatedTensor(DTensor):
             self.device_mesh.meet("redistribute")
         with _named_if_skipped("redistribute"):
             return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
+
+
+def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
+    """An op with rotated tensors among its arguments (RotatedTensor's class docstring): refused where it cannot
+    mean anything per rank, an optimizer update on this rank's rows, else DTensor's op with implicit replication
+    on for its duration; whatever it makes on the rotation mesh is rotated too. `as_dtensor`: the rotated
+    arguments are DTensors for the op's duration (for an aten op; a Python function may call RotatedTensor's own
+    methods, such as `untyped_storage`'s refusal, so __torch_function__ leaves them as they are)."""
+    # DTensor's own handler for subclasses wraps every argument in a new DTensor; setting the class of
+    # this op's rotated arguments to DTensor for the call (and back) does the same for a third of the cost
+    rotated = [t for t in _tensors(args) if type(t) is RotatedTensor]
+    rotated += [t for t in _tensors(kwargs.values()) if type(t) is RotatedTensor]
+    swapped = rotated if as_dtensor else []
+    if rotated and _namespace(func) == "c10d":
+        raise RotatedStateError(_C10D_REFUSED.format(op=func))
+    if rotated and _namespace(func) == "bitsandbytes":
+        return blockwise.step_rows(overload(func), args, kwargs)  # an optimizer's update, on this rank's rows
+    if func in _AMP_UNSCALE and not isinstance(args[0][0], DTensor):
+        # in place per tensor, one found_inf for all: the order is free, and DTensor's handler wants a
+        # DTensor first (it takes the mesh from it and reduces found_inf over the ring, for every tensor)
+        args = (sorted(args[0], key=lambda t: not isinstance(t, DTensor)), *args[1:])
+    allowed = implicit_replication()
+    try:
+        for t in swapped:
+            t.__class__ = DTensor
+        set_implicit_replication(True)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as err:  # an op that redistributes communicates on the ring
+            _raise_if_skipped(str(func), err)
+            raise
+        except AssertionError as err:  # DTensor's, without a message: say what it means here
+            raise RotatedStateError(_MIXED_REFUSED.format(op=func)) from err
+    finally:
+        set_implicit_replication(allowed)
+        for t in swapped:
+            t.__class__ = RotatedTensor
+    if isinstance(out, DTensor):
+        return _marked_if_rotation(out)
+    if isinstance(out, (list, tuple)):
+        for t in out:
+            if isinstance(t, DTensor):
+                _marked_if_rotation(t)
+    return out
+
+
+# GradScaler's unscale, as __torch_dispatch__ sees it (the aten op) and as __torch_function__ does (torch's function)
+_AMP_UNSCALE = (amp_unscale, amp_unscale_function)
+
+
+def _namespace(func) -> str | None:
+    """The library an op belongs to ("aten", "c10d", "bitsandbytes"), from an op overload or packet; None for a
+    Python function (what __torch_function__ also sees: torch.add, Tensor.grad's getter)."""
+    name = getattr(func, "namespace", None) or getattr(func, "_qualified_op_name", "").partition("::")[0]
+    return name or None
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    """torch 2.10 and 2.11 dispatch every DTensor op in C++, a subclass's too, and never call its
+    __torch_dispatch__ (#167051; 2.12 calls it again): there RotatedTensor does the same one level up, for the
+    calls made from Python (optimizers, clip_grad_norm_, GradScaler, state dicts, torch.ops). Ops autograd calls
+    from C++ get DTensor's own handling: hf_rtp's layers compute on local tensors, and a rotated parameter's
+    gradient is marked where Python reads it (`.grad`)."""
+    with disable_torch_function_subclass():
+        return _run_op(func, args, kwargs or {}, as_dtensor=False)
+
+
+if SUBCLASS_DISPATCH_BYPASSED:
+    RotatedTensor.__torch_function__ = classmethod(_torch_function)
 
 
 def whole(tensor: DTensor) -> torch.Tensor:

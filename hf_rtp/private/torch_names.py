@@ -7,6 +7,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from packaging.version import Version
 from torch.distributed.tensor import DTensor
 
 from .gate import lookup
@@ -30,6 +31,21 @@ def implicit_replication() -> bool:
 
 def set_implicit_replication(allowed: bool) -> None:
     _op_dispatcher._allow_implicit_replication = allowed
+
+
+# torch 2.10 and 2.11 dispatch DTensor ops in C++ and skip a subclass's __torch_dispatch__ (#167051: their
+# DTensor.__torch_dispatch__ only raises); 2.9 and older dispatch in Python, 2.12 and newer call a subclass's
+# again. distributed/rotated.py then does its work in __torch_function__ instead.
+SUBCLASS_DISPATCH_BYPASSED = Version(torch.__version__).release[:2] in ((2, 10), (2, 11))
+_OpOverloadPacket = _get(torch._ops, "OpOverloadPacket")
+disable_torch_function_subclass = _get(torch._C, "DisableTorchFunctionSubclass")
+# GradScaler's unscale as __torch_function__ sees it: torch's function, where __torch_dispatch__ sees amp_unscale
+amp_unscale_function = _get(torch, "_amp_foreach_non_finite_check_and_unscale_")
+
+
+def overload(func: Any) -> Any:
+    """An op overload from what __torch_function__ is given for `torch.ops.lib.op(...)`: the packet's default."""
+    return func.default if isinstance(func, _OpOverloadPacket) else func
 
 
 # the tensor classes foreach kernels accept (clip_grad_norm_, optimizers); torch lists DTensor there itself

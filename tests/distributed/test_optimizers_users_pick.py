@@ -10,6 +10,8 @@ from support.compare import assert_matches
 from support.models import global_batch, make_tiny_llama
 from support.spawn import run_on_ranks
 
+from hf_rtp.private.torch_names import SUBCLASS_DISPATCH_BYPASSED
+
 
 def _scaled_steps(ckpt, replicated_first):
     """Two fp16-autocast SGD steps with torch.amp.GradScaler, hf_rtp beside vanilla under DDP."""
@@ -71,11 +73,16 @@ def _zero(ckpt):
         optimizer.step()  # each rank steps its share of the parameters, then broadcasts it
     except hf_rtp.RotatedStateError as err:
         return str(err)
+    except NotImplementedError as err:  # torch 2.10 and 2.11 skip RotatedTensor's dispatch: DTensor's own refusal
+        return str(err)
     return None
 
 
 def test_zero_redundancy_optimizer_is_refused_by_name(tmp_path):
     for message in run_on_ranks(_zero, 2, make_tiny_llama(tmp_path / "ckpt")):
+        if SUBCLASS_DISPATCH_BYPASSED:  # no rank broadcasts its rows over the others' all the same
+            assert message is not None and "c10d.broadcast_" in message and "sharding strategy" in message
+            continue
         assert message is not None and "on a rotated tensor" in message
         assert "ZeroRedundancyOptimizer has nothing left to shard" in message and "torch.optim.AdamW" in message
 
