@@ -169,7 +169,9 @@ class RingAttentionFn(torch.autograd.Function):
         merged = merge_dtype(q.dtype)
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=merged)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=merged)
-        wide = _widened(q, call.width)
+        # the kernels get the layout the probe checked them in (contiguous [batch, heads, tokens, dim]), not the
+        # model's (a q_proj output viewed as heads: tokens before heads in memory)
+        wide = _widened(q.contiguous(), call.width)
         auxes: list[Aux] = []
 
         def compute(span, held):
@@ -193,7 +195,7 @@ class RingAttentionFn(torch.autograd.Function):
         rows = layout.rows(tuple(torch.Size((layout.length, *t.shape[1:])) for t in own))
         queries = layout.intervals(ring.rank)
         summed = merge_dtype(q.dtype)
-        grad_out, out, wide = (_widened(t, call.width) for t in (grad_out.contiguous(), out, q))
+        grad_out, out, wide = (_widened(t.contiguous(), call.width) for t in (grad_out, out, q))
         grad_q = torch.zeros(q.shape, dtype=summed, device=q.device)
         row_groups = _row_groups(ctx.docs, q.device)
 

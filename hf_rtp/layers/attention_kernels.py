@@ -7,7 +7,7 @@ device, dtype and head size, in torch's default priority:
 | kernel | aten op (torch 2.13) | where, dtypes | heads | GQA | log-sum-exp as returned |
 |---|---|---|---|---|---|
 | flash | `_scaled_dot_product_flash_attention` | CUDA sm80+; fp16, bf16 | <= 256 | yes | [B, H, Sq] fp32 |
-| efficient | `_scaled_dot_product_efficient_attention` | CUDA; fp16, bf16, fp32 | any | no | [B, H, Sq to 32n] fp32 |
+| efficient | `_scaled_dot_product_efficient_attention` | CUDA; fp32 (half: as fp32) | any | no | [B, H, Sq to 32n] |
 | cudnn | `_scaled_dot_product_cudnn_attention` | CUDA sm80+ cuDNN 9; fp16, bf16 | <= 128 | no | [B, H, Sq, 1] fp32 |
 | cpu flash | `_scaled_dot_product_flash_attention_for_cpu` | CPU; fp16-fp64 | any | if taken | [B, H, Sq] fp32, fp64 |
 
@@ -125,10 +125,14 @@ class _Flash(Kernel):
 
 
 class _Efficient(Kernel):
+    # Half inputs run in float32. In fp16 and bf16 this kernel's backward gave wrong dQ and dK for ring blocks
+    # (off by their whole size, NaN at times, run to run), where its output and dV were right and float32 was
+    # exact: .ci/gpu on an H100, torch 2.11 (benchmarks/results/gpu-check-h100-run2.log). Float32 costs this
+    # kernel twice the memory and time of a block; flash and cuDNN, which come first for half precision, keep theirs.
     def forward(self, q, k, v, causal, scale):
         out, lse, seed, offset = ops.efficient_attention(
-            query=q, key=k, value=v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
-            scale=scale,
+            query=q.float(), key=k.float(), value=v.float(), attn_bias=None, compute_log_sumexp=True, dropout_p=0.0,
+            is_causal=causal, scale=scale,
         )  # fmt: skip
         return out, normalised_lse(lse, q.shape[2], q.dtype), (seed, offset)
 
@@ -137,9 +141,9 @@ class _Efficient(Kernel):
         # its backward reads the log-sum-exp as its forward wrote it: queries padded to a multiple of 32
         padded = F.pad(lse.float(), (0, -lse.shape[-1] % 32)).contiguous()
         dq, dk, dv, _ = ops.efficient_attention_backward(
-            grad_out_=grad_out, query=q, key=k, value=v, attn_bias=None, out=out, logsumexp=padded,
-            philox_seed=seed, philox_offset=offset, dropout_p=0.0, grad_input_mask=[True, True, True, False],
-            is_causal=causal, scale=scale,
+            grad_out_=grad_out.float(), query=q.float(), key=k.float(), value=v.float(), attn_bias=None,
+            out=out.float(), logsumexp=padded, philox_seed=seed, philox_offset=offset, dropout_p=0.0,
+            grad_input_mask=[True, True, True, False], is_causal=causal, scale=scale,
         )  # fmt: skip
         return dq, dk, dv
 

@@ -8,7 +8,8 @@ the others get them repeated), 250 tokens: chunks of 62 and 63 at 2 ranks (uneve
 memory-efficient kernel pads to a multiple of 32). Compared: the loss and every gradient (this rank's rows of
 rotated ones). Each kernel's first use ran its probe (layers/attention.py) before the ring did.
 
-What equality holds: the ring rounds each block's output to the kernel's dtype and merges the blocks in float32,
+The memory-efficient kernel runs fp16 blocks in float32 (layers/attention_kernels.py says why). What equality
+holds: the ring rounds each block's output to the kernel's dtype and merges the blocks in float32,
 where vanilla's kernel rounds once, and cuBLAS orders a rotated matmul's sums differently. Float32: 1e-4 of each
 gradient's largest entry; fp16 (10 bits of mantissa): 1e-2; bf16 (8 bits) and bf16 autocast: 3e-2. A wrong
 log-sum-exp layout, a lost block or a missing K/V head is off by the whole gradient.
@@ -26,6 +27,11 @@ from support.spawn import run_on_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
 
 SEQ = 250  # not a multiple of 2N = 4
+# fp16 weights train under a loss scale (GradScaler's starts at 2**16). Unscaled, .ci/gpu saw k_proj's gradient
+# 1.05e-2 of its largest entry off (tolerance 1e-2) where the kernel's blocks were 6e-4 from exact attention: its
+# entries (largest 1.4e-3) sum terms near fp16's subnormals (under 6e-5), which the ring's per-block sums and
+# vanilla's whole one round differently. Gaps are relative: the scale cancels. (Not yet rerun on a GPU.)
+LOSS_SCALE = {"float16": 1024.0, "bfloat16": 1.0, "float32": 1.0}
 VARIANTS = {  # name: (weights' dtype, bf16 autocast, the kernel forced, tolerance of the largest entry)
     "float32-efficient": ("float32", False, "efficient", 1e-4),
     "bf16-flash": ("bfloat16", False, "flash", 3e-2),
@@ -70,9 +76,9 @@ def _variant_beside_vanilla(ckpt, dtype_name, autocast, forced):
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         with sdpa_kernel(backend), hf_rtp.context_parallel(model, batch):
             loss = model(**batch).loss
-            loss.backward()
+            (loss * LOSS_SCALE[dtype_name]).backward()
         ref_loss = ref(**given).loss
-        ref_loss.backward()
+        (ref_loss * LOSS_SCALE[dtype_name]).backward()
     hf_rtp.sync_grads(model)
     used = sorted({key[2] for key in attention._TRUSTED - before})
     gaps = grad_gaps_rows(model, ref, world, rank)
@@ -100,6 +106,8 @@ def test_context_parallel_on_one_gpu_matches_vanilla_sdpa_with_each_kernel(tmp_p
     for rank, (loss, ref_loss, gaps, used) in enumerate(results):
         assert used == [forced], (rank, used)  # the ring ran the kernel forced, after its probe passed
         assert abs(loss - ref_loss) <= tolerance * abs(ref_loss), (rank, loss, ref_loss)
-        for name, (gap, scale) in gaps.items():
-            assert scale > 0 and gap <= tolerance * scale, (rank, name, gap, scale)
+        over = {
+            name: (gap, scale) for name, (gap, scale) in gaps.items() if not (scale > 0 and gap <= tolerance * scale)
+        }
+        assert not over, (rank, f"{len(over)} of {len(gaps)} gradients off", over)
     assert len({round(loss, 6) for loss, *_ in results}) == 1  # every rank reports the sequence's loss
