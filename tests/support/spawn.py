@@ -8,6 +8,7 @@ comes back per rank; an exception on any rank fails the test with that rank's tr
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import socket
 import traceback
@@ -39,6 +40,8 @@ def _worker(rank, world_size, port, fn, args, inherited, env, results, preloaded
         TRANSFORMERS_VERBOSITY="error",
     )
     os.environ.update(env)
+    if os.environ.get("HF_RTP_TEST_STACKS_AFTER_S"):  # .ci/gpu: a rank that hangs prints where, before it is killed
+        faulthandler.dump_traceback_later(float(os.environ["HF_RTP_TEST_STACKS_AFTER_S"]), exit=False)
     import torch
 
     torch.set_num_threads(1)
