@@ -226,10 +226,10 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
         try:
             out = func(*args, **kwargs)
         except RuntimeError as err:  # an op that redistributes communicates on the ring
-            _raise_if_skipped(str(func), err)
+            _raise_if_skipped(_op_name(func), err)
             raise
         except AssertionError as err:  # DTensor's, without a message: say what it means here
-            raise RotatedStateError(_MIXED_REFUSED.format(op=func)) from err
+            raise RotatedStateError(_MIXED_REFUSED.format(op=_op_name(func))) from err
     finally:
         set_implicit_replication(allowed)
         for t in swapped:
@@ -252,6 +252,15 @@ def _namespace(func) -> str | None:
     Python function (what __torch_function__ also sees: torch.add, Tensor.grad's getter)."""
     name = getattr(func, "namespace", None) or getattr(func, "_qualified_op_name", "").partition("::")[0]
     return name or None
+
+
+def _op_name(func) -> str:
+    """How an error names the op: "aten.mm.default" as __torch_dispatch__ sees it, "torch.Tensor.matmul" as
+    __torch_function__ does."""
+    qualname = getattr(func, "__qualname__", None)
+    if _namespace(func) is not None or not qualname:
+        return str(func)
+    return "torch." + qualname.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "")
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
