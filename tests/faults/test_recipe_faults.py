@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -33,11 +32,7 @@ def _torchrun(out, *extra, fault=None, cause=None):
     # as soon as it sees the killed one die, before that rank can report the cause (on a busy machine)
     monitor = ["--monitor-interval", "60"] if fault else []
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
+        *recipes.torchrun(2),
         *monitor,
         recipes.FINETUNE,
         "--output_dir",

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from support.spawn import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 TRAINER = os.path.join(ROOT, "recipes", "trainer_sft.py")
@@ -35,7 +37,17 @@ ACCELERATE = accelerate_launch("cpu.yaml")
 
 
 def torchrun(n: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+    """torchrun on `n` ranks, on a free port: its default (29500) is any other job's too, and two tests' jobs
+    at once (xdist's workers) would fail one with EADDRINUSE (seen under torch 2.11)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(n),
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 def finetune(out, max_steps: int, *extra: str) -> list[str]:
