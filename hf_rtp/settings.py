@@ -50,7 +50,7 @@ class Settings:
     """what rotated gradients travel and are summed in (None: the parameter's dtype)"""
     rotation_moves: str = field(default="auto", metadata=_keyword("rotation_moves"))
     """what a rotated op moves around the ring in a forward: "auto" (whichever costs less: bytes and hops, the
-    weight pieces or the tokens), "weights" or "activations" (distributed.ring.Traffic)"""
+    weight pieces or the tokens), "weights" or "activations" (distributed.traffic.Traffic)"""
 
     def load_spec(self, device_mesh: Any, rtp_size: int, plan: Any) -> LoadSpec:
         """How a model was loaded with these settings, on this grid with this plan (model.state.RTPState.spec)."""

@@ -1,13 +1,14 @@
-"""The ring: the only place in hf_rtp that does point-to-point communication.
+"""The ring: the hop, and the walks of weights and gradients. Only this file posts point-to-point messages.
 
 Rank r sends to r+1 and receives from r-1 on a process group of its own (DESIGN.md I5). A rotated op
 walks the ring through `forward_walk` / `backward_walk` and supplies the math as callbacks, so the
 overlap (transfer of the next chunk while computing on the held one), the double buffering and the
-travelling gradient accumulator live here once, not in every layer.
+travelling gradient accumulator live here once, not in every layer. `exchange` is one hop, posted the way
+the group's backend wants (distributed/transport.py) and watched where waits do not raise (distributed/watch.py).
 
-Foreign chunks land in a `BufferPool` that all layers share: two weight slots and two gradient
-slots, so a rotated op never holds more than its own chunk plus two foreign ones (DESIGN.md I3) and
-nothing is allocated per step.
+Beside it, each alone: distributed/pool.py (the slots foreign pieces land in, shared by every layer:
+DESIGN.md I3), distributed/token_walk.py (ops that move the tokens instead of the weights: their message
+and mechanism, on this file's hops) and distributed/traffic.py (which of the two an op does).
 
 A chunk larger than `piece_bytes` (16 MB by default) walks the ring as several pieces, one full
 walk per piece (rows cut again by the torch.chunk rule). The pool is then sized by the largest
@@ -21,140 +22,37 @@ bytes; the cast commutes with the transfer, so every matmul sees the values it s
 are still cut by the parameter's dtype, so the rows per piece do not change with autocast.
 Gradient accumulators travel in `reduce_dtype` (the parameter's dtype unless from_pretrained's
 reduce_dtype says otherwise) and come home cast to the parameter's dtype.
-
-A forward with few tokens (a decode step) moves the tokens instead (`token_walk`): each rank applies its
-own chunk to every rank's tokens, and the outputs travel home in an accumulator, as the weights'
-gradients do in backward. Which one an op moves is decided per call from `traffic`, which every rank of
-the ring agreed at the forward's start (model/traffic.py), so every rank walks the same way.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveMisuseError
-from ..private.torch_names import ASSERT_MESSAGE_LIMIT, assert_async, version
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
+from . import token_walk
 from .pending import Pending
+from .pool import BufferPool
 from .replicas import ReplicaSum
 from .sharding import ChunkLayout
+from .token_walk import OUTPUT_TAG, TOKEN_TAG, Bundle, Rows
+from .traffic import Traffic
 from .transport import Transport, transport_for
 from .watch import Watch
 
-Bundle = Sequence[torch.Tensor]
 _CPU = torch.device("cpu")
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
-_TOKEN_TAG = 192
-_OUTPUT_TAG = 224
-_KINDS = {_WEIGHT_TAG: "weights", _GRAD_TAG: "gradients", _TOKEN_TAG: "tokens", _OUTPUT_TAG: "outputs"}
-# A message's latency, in the bytes a link moves meanwhile: gloo between CPU processes about 0.2 ms at about
-# 1 GB/s, NCCL about 10 us at 10-100 GB/s. An op whose weights are about this small walks them, in fewer hops.
-HOP_BYTES = 256 * 1024
+_KINDS = {_WEIGHT_TAG: "weights", _GRAD_TAG: "gradients", TOKEN_TAG: "tokens", OUTPUT_TAG: "outputs"}
 # After the watch names a failure on NCCL, how long the script has to reach the ring again (and raise it) before the
 # watch ends the process; the ring's NCCL group waits this much longer than HF_RTP_TIMEOUT, so NCCL's watchdog,
 # which would abort with a message about a SEND or RECV, never comes first (topology.py).
 WATCH_GRACE_S = 30.0
 DEFAULT_PIECE_BYTES = parse_size(DEFAULT_PIECE_SIZE)  # from_pretrained's rotation_piece_size default
-# a token walk's count checked on the device where this rank did not read it (_largest); under CUDA's 255
-_UNREAD_SHORT = (
-    "hf_rtp: a rotated op{weights} saw more tokens on some rank than its forward's ranks agreed on; this rank did "
-    'not read the count. Load with rotation_moves="weights", or give every rank inputs of one shape'
-)
-Rows = tuple[int, int]
-
-
-def _matmul_itemsize(like: torch.Tensor) -> int:
-    """Bytes per element the largest planned piece will travel in: the autocast dtype's when autocast is
-    on (an embedding's float32 lookup, which walks first, must not size the slot for float32 matmuls)."""
-    size, device = like.element_size(), like.device.type
-    if like.is_floating_point() and torch.is_autocast_enabled(device):
-        size = min(size, torch.get_autocast_dtype(device).itemsize)
-    return size
-
-
-class BufferPool:
-    """Flat byte buffers keyed by (role, slot, device); chunks are views carved from them in the dtype
-    they travel in, so a float32 walk (an embedding's lookup) and a bf16 one (autocast's matmuls)
-    share one slot instead of holding two."""
-
-    def __init__(self):
-        self._flat: dict[tuple, torch.Tensor] = {}
-        self._planned: dict[torch.device, int] = {}
-        self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
-
-    def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
-        """Views of `shapes` in `like`'s dtype, carved one after another from the slot."""
-        size = like.element_size()
-        need = sum(math.prod(s) for s in shapes) * size
-        key = (role, slot, like.device)
-        flat = self._flat.get(key)
-        if flat is None or flat.numel() < need:
-            flat = None  # free the smaller buffer before allocating the larger one
-            planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
-            flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
-            self._flat[key] = flat
-            self.allocations += 1
-        views, offset = [], 0
-        for shape in shapes:
-            n = math.prod(shape) * size  # offsets stay multiples of the element size: every view is aligned
-            views.append(flat[offset : offset + n].view(like.dtype).view(shape))
-            offset += n
-        return views
-
-    def plan(self, numel: int, like: torch.Tensor) -> None:
-        """Size every slot for the largest piece up front (in elements: a slot first used by a bf16
-        walk takes half the bytes of a float32 one), so none is regrown mid-step.
-
-        Slots are still allocated on first use: gradient slots only once training starts.
-        """
-        self._planned[like.device] = max(self._planned.get(like.device, 0), numel)
-
-    def planned(self, device: torch.device) -> int:
-        """The largest piece's elements planned for `device`'s slots (0 before any layer planned)."""
-        return self._planned.get(device, 0)
-
-    def buffers(self, role: str) -> list[torch.Tensor]:
-        """The role's flat slots, as bytes."""
-        return [t for (r, *_), t in self._flat.items() if r == role]
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """What every rank of the ring agreed at the start of a forward: the most tokens any rank brings to it
-    (`bound`, rows each rank's tokens travel in), `moves` (from_pretrained's rotation_moves) and whether any
-    rank records gradients (`grad`)."""
-
-    bound: int
-    sequences: int
-    """the most sequences any rank brings: where an LM head's walk starts (generate keeps the last logits)"""
-    moves: str
-    grad: bool
-
-    def moves_tokens(
-        self, bound: int, weight_bytes: int, row_bytes: int, held_bytes: int, slot_bytes: int, ranks: int
-    ) -> bool:
-        """Whether an op whose weight chunk is `weight_bytes` and whose `bound` tokens carry `row_bytes` each
-        (their inputs and outputs) moves the tokens: the same answer on every rank, from agreed numbers only.
-        The weights make N-1 hops, the tokens N (their outputs go home), each hop costing HOP_BYTES of latency
-        beside its bytes. Only if what a token walk holds at once in either weight slot (`held_bytes`,
-        Ring.token_walk) fits the `slot_bytes` the weights' walks reserve: moving tokens takes no memory of its
-        own."""
-        if self.moves == "weights" or held_bytes > slot_bytes:
-            return False
-        tokens = ranks * (HOP_BYTES + bound * row_bytes)
-        return self.moves == "activations" or tokens < (ranks - 1) * (HOP_BYTES + weight_bytes)
-
-
-def _message_bytes(specs) -> int:
-    return sum(n + (-n) % 8 for n in (math.prod(shape) * dtype.itemsize for shape, dtype in specs))
 
 
 def _land(landings: list, then: Callable[[], None] | None) -> None:
@@ -163,13 +61,6 @@ def _land(landings: list, then: Callable[[], None] | None) -> None:
         t.copy_(wire)
     if then is not None:
         then()
-
-
-def identities(tokens: Bundle) -> tuple:
-    """What makes two token sets the same tokens: the same memory, seen the same way, unchanged since (each op
-    reshapes its input afresh, so the tensor objects differ; an in-place change bumps its version). The ring holds
-    the tokens it compares with, so their memory is not freed and reused by other tokens meanwhile."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, version(t)) for t in tokens)
 
 
 class Ring:
@@ -227,8 +118,8 @@ class Ring:
         """from_pretrained's rotation_moves: what a forward's ops move ("auto": what costs less)"""
         self._traffic: Traffic | None = None
         # the last tokens moved, and the other ranks' that arrived with them: an op on the same tokens (k_proj and
-        # v_proj after q_proj, up_proj after gate_proj) moves only its outputs
-        self._moved: tuple[Bundle, tuple, int, list[Bundle]] | None = None
+        # v_proj after q_proj, up_proj after gate_proj) moves only its outputs (distributed/token_walk.py)
+        self.moved: tuple[Bundle, tuple, int, list[Bundle]] | None = None
         self.token_walks = 0  # how many ops moved tokens instead of weights: tests and the bench read it
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
         # what hf_rtp/tools/cost.py models
@@ -241,7 +132,7 @@ class Ring:
 
     @traffic.setter
     def traffic(self, value: Traffic | None) -> None:
-        self._traffic, self._moved = value, None
+        self._traffic, self.moved = value, None
 
     def __deepcopy__(self, memo):
         # process groups and buffers, not data: a copied rotated layer (PEFT's modules_to_save) walks this ring
@@ -251,7 +142,7 @@ class Ring:
         assert self.group is not None  # only rings of two or more address a peer
         return dist.get_global_rank(self.group, ring_rank)
 
-    def _exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
+    def exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
@@ -329,7 +220,7 @@ class Ring:
         if self.size > 1:
             self.pool.plan(layout.max_piece_numel(self.pieces(layout, like)), like)
 
-    def _own_piece(self, own: Bundle, layout: ChunkLayout, rows: Rows) -> list[torch.Tensor]:
+    def own_piece(self, own: Bundle, layout: ChunkLayout, rows: Rows) -> list[torch.Tensor]:
         first = layout.bounds(self.rank)[0]
         return [t[rows[0] - first : rows[1] - first] for t in own]  # dim-0 views: contiguous, no copy
 
@@ -349,7 +240,7 @@ class Ring:
 
     def _held(self, own: Bundle, layout: ChunkLayout, rows: Rows, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's piece in the travel dtype: a cast copy of one piece at most, made once per walk."""
-        return [t.to(dtype) if t.is_floating_point() else t for t in self._own_piece(own, layout, rows)]
+        return [t.to(dtype) if t.is_floating_point() else t for t in self.own_piece(own, layout, rows)]
 
     def forward_walk(
         self,
@@ -361,7 +252,7 @@ class Ring:
         """Call `compute(rows, piece)` for every piece of every chunk, own chunk first, while the next
         piece is in flight. `rows` are the piece's global rows [start, end). `dtype`: what the
         matmuls run in (travel_dtype)."""
-        self._moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
+        self.moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         pieces = self.pieces(layout, own[0])
         travel = self.travel_dtype(own, dtype)
         like = own[0].new_empty(0, dtype=travel)
@@ -375,7 +266,7 @@ class Ring:
                     incoming = self.pool.take(
                         "weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), like
                     )
-                    pending = self._exchange(held, incoming, _WEIGHT_TAG)
+                    pending = self.exchange(held, incoming, _WEIGHT_TAG)
                 compute(layout.piece(index, p, pieces), held)
                 if not last:
                     pending.wait()
@@ -406,7 +297,7 @@ class Ring:
         `accumulate_dtype` where given (attention's K/V gradients, which are activations', not parameters').
         """
         like = own[0]
-        self._moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
+        self.moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         summed = accumulate_dtype or self.reduce_dtype or like.dtype
         if self.size == 1:
             acc = None
@@ -438,12 +329,12 @@ class Ring:
                 if input_grad is not None and not last:
                     assert held is not None  # held whenever input_grad is given
                     incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), travel)
-                    weights_pending = self._exchange(held, incoming, _WEIGHT_TAG)
+                    weights_pending = self.exchange(held, incoming, _WEIGHT_TAG)
                 if accumulate is not None:
                     assert home is not None  # made above whenever accumulate is given
                     piece = held if input_grad is not None else None
                     if step == 0:  # this rank's share of its own piece's gradient stays home
-                        mine = self._own_piece(home, layout, rows)
+                        mine = self.own_piece(home, layout, rows)
                         for m in mine:
                             m.zero_()
                         accumulate(rows, piece, mine)
@@ -456,7 +347,7 @@ class Ring:
                         accumulate(rows, piece, acc)
                         landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), reduced)
                         # Sent while input_grad below runs: the transfer hides behind that matmul.
-                        grads_pending = self._exchange(acc, landing, _GRAD_TAG)
+                        grads_pending = self.exchange(acc, landing, _GRAD_TAG)
                 if input_grad is not None:
                     assert held is not None
                     input_grad(rows, held)
@@ -468,33 +359,11 @@ class Ring:
                     acc = landing
                     if last:  # the other ranks' shares of this rank's piece: add them to its own
                         assert home is not None
-                        mine = self._own_piece(home, layout, next_rows)
+                        mine = self.own_piece(home, layout, next_rows)
                         for m, arrived in zip(mine, landing, strict=True):
                             m.add_(arrived)
                 index = following
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
-
-    def _carve(self, slot: int, sizes: Sequence[int], like: torch.Tensor) -> list[torch.Tensor]:
-        """uint8 regions of `sizes` bytes (each at an offset aligned to 8) from the weights' slot `slot`: a forward
-        that moves tokens moves no weights, so their buffers hold the tokens (Traffic keeps them small enough).
-        Taken as `like`'s dtype (the matmuls'), which sizes a slot as the weights' walks size it."""
-        padded = [n + (-n) % 8 for n in sizes]
-        (flat,) = self.pool.take("weights", slot, [torch.Size((-(-sum(padded) // like.element_size()),))], like)
-        raw, regions, offset = flat.view(torch.uint8), [], 0
-        for n, room in zip(sizes, padded, strict=True):
-            regions.append(raw[offset : offset + n])
-            offset += room
-        return regions
-
-    @staticmethod
-    def _views(message: torch.Tensor, specs) -> list[torch.Tensor]:
-        """Views of `specs` (shape, dtype) one after another in a message's bytes, each at an offset aligned to 8."""
-        views, offset = [], 0
-        for shape, dtype in specs:
-            n = math.prod(shape) * dtype.itemsize
-            views.append(message[offset : offset + n].view(dtype).view(shape))
-            offset += n + (-n) % 8
-        return views
 
     def slot_bytes(self, like: torch.Tensor) -> int:
         """What a weights' slot holds for a layer of `like`'s dtype (BufferPool.plan): the most a token walk may
@@ -516,129 +385,8 @@ class Ring:
         bound: int,
         brought: int | None = None,
     ) -> int | None:
-        """Move the tokens instead of the weights: `compute(tokens, out, rows, chunk)` adds this rank's chunk's
-        share of the output of `tokens` into `out` (zeros where it has none: other rows, other experts).
-
-        `tokens` are this rank's token tensors (dim 0: its t tokens); they travel padded to `bound` rows with
-        `fill` (one value per tensor, chosen to contribute nothing), so every rank knows what it receives
-        without asking. `out` [t, ...], zeros, gets this rank's own share first; the other ranks' shares
-        gather in an accumulator that starts at the next rank and travels with the tokens, arriving home
-        after N-1 hops, where it is added: the same shares as the weight walk, each computed by the rank
-        that holds the chunk.
-
-        Returns None when done, or, when some rank brought more tokens than `bound` (an op that sees more
-        than its forward's new tokens: DeepSeek's MLA expands its cached latents), the most any rank brought,
-        which every rank learns by the end of the walk (each token hop carries the largest count seen so
-        far), so every rank then walks again, the same way; `out` is then not filled.
-
-        Learning it is a read on the host, which on CUDA waits for the device, so a rank reads only where the
-        answer can differ from `bound`: where it brings more itself, or more than `brought`, what its own forward
-        brought to the op (its tokens; its sequences to a head) or, walking again, the largest count the walk
-        before learned (None: read). An op that sees more than its forward brought (MLA's cached latents, a
-        head on every token) does so on every rank, which all read then. Every other op reads nothing. The hops
-        also carry whether some rank did not read: a rank that reads a larger count and finds one raises at
-        once, since that rank will not walk again, and the rank that did not read fails its device assertion
-        (`_largest`); an error on every rank, never a walk some ranks make alone.
-        """
-        held = self._own_piece(own, layout, layout.bounds(self.rank))
-        rows = layout.bounds(self.rank)
-        count = tokens[0].shape[0]
-        if self.size == 1:
-            compute(tokens, out, rows, held)
-            return None
-        self.token_walks += 1
-        moved, ids = self._moved, identities(tokens)
-        # the identities recorded when the tokens moved, not the held tensors' own now: those share the caller's
-        # version counter, so an in-place change since would go unseen
-        if moved is not None and moved[2] == bound and moved[1] == ids:
-            self._walk_outputs(moved[3], out, compute, rows, held, tokens, count, bound)
-            return None
-        fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
-        reads = count > bound or brought is None or count > brought
-        # One message per hop (gloo pays per message), in the pool's weight slots: gloo pays several times more to
-        # send from or receive into memory it has not seen. The tokens padded to `bound`, the largest count and
-        # whether some rank does not read it, then (after the first hop) the accumulator.
-        self._moved = None  # the arrivals below overwrite the tokens kept from the op before
-        specs = [((bound, *t.shape[1:]), t.dtype) for t in tokens] + [((2,), torch.int64)]
-        hop = [*specs, ((bound, *out.shape[1:]), out.dtype)]  # after the first hop: the accumulator too
-        acc_bytes = bound * math.prod(out.shape[1:]) * out.element_size()
-        # slot 0: what this rank sends, the accumulator and where the last one lands; slot 1: what arrives at
-        # each hop, kept for the next op on the same tokens
-        message, acc_region, landing_region = self._carve(0, [_message_bytes(hop), acc_bytes, acc_bytes], out)
-        arrivals = self._carve(1, [_message_bytes(specs)] + [_message_bytes(hop)] * (self.size - 2), out)
-        first = self._views(message, specs)
-        for view, t, f in zip(first[:-1], tokens, fill, strict=True):
-            view[:fits] = t[:fits]
-            view[fits:] = f
-        most = first[-1]  # [count, 1 if this rank does not read]: filled on the device, no copy from the host
-        most[0].fill_(count)
-        most[1].fill_(0 if reads else 1)
-        sent = message[: _message_bytes(specs)]
-        pending = self._exchange([sent], [arrivals[0]], _TOKEN_TAG)
-        if count <= bound:
-            compute(tokens, out, rows, held)  # this rank's share of its own tokens stays home
-        pending.wait()
-        *others, seen = self._views(arrivals[0], specs)
-        acc = acc_region.view(out.dtype).view(bound, *out.shape[1:])
-        acc.zero_()
-        seen_tokens: list[Bundle] = []
-        for step in range(1, self.size):
-            seen_tokens.append(others)
-            most = torch.maximum(seen, most)
-            compute(others, acc, rows, held)
-            if step == self.size - 1:
-                landing = landing_region.view(out.dtype).view(acc.shape)
-                self._exchange([acc], [landing], _TOKEN_TAG).wait()
-            else:
-                for view, t in zip(self._views(message, hop), [*others, most, acc], strict=True):
-                    view.copy_(t)
-                self._exchange([message], [arrivals[step]], _TOKEN_TAG).wait()
-                *others, seen, landing = self._views(arrivals[step], hop)
-            acc = landing
-        largest = self._largest(most, reads, layout, bound, count)  # every rank's, after N-1 token hops
-        if largest > bound:
-            return largest
-        out.add_(acc[:count])
-        self._moved = (tuple(tokens), ids, bound, seen_tokens)  # held: their memory cannot become other tokens
-        return None
-
-    def _largest(self, most: torch.Tensor, reads: bool, layout: ChunkLayout, bound: int, count: int) -> int:
-        """The most tokens any rank brought to a token walk (`most`: [that count, 1 if some rank does not read it]),
-        read on the host where this rank `reads`; else `bound`, which a device assertion checks without a read."""
-        weights = " and ".join(str(list(s)) for s in layout.global_shapes)
-        if not reads:
-            # CUDA holds a device assertion's message under 255 characters: the long one below is the host's
-            short = _UNREAD_SHORT.format(weights=f" (weights {weights})")
-            assert_async(
-                most[0] <= bound, short if len(short) <= ASSERT_MESSAGE_LIMIT else _UNREAD_SHORT.format(weights="")
-            )
-            return bound
-        largest, some_unread = divmod(int(most[0] * 2 + most[1]), 2)  # one read for both
-        if largest > bound and some_unread:
-            raise CollectiveMisuseError(
-                f"a rotated op (weights {weights}) that moves tokens saw more tokens on some rank than the {bound} "
-                f"its forward's ranks agreed on (rank {self.rank}: {count}), and on another no more than that rank's "
-                "own forward brought, so that rank did not read the count and cannot walk the op again with the "
-                'others. Load with rotation_moves="weights", or give every rank inputs of one shape'
-            )
-        return largest
-
-    def _walk_outputs(self, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound) -> None:
-        """token_walk for tokens every rank already holds from the op before (`seen`: the others', in the order
-        they arrived): only the accumulators travel, on tags of their own, so ranks that disagree on whether the
-        tokens are held wait and fail by the timeout instead of reading one message as another."""
-        compute(tokens, out, rows, held)
-        shape = (bound, *out.shape[1:])
-        regions = self._carve(0, [math.prod(shape) * out.element_size()] * 2, out)  # slot 1 holds `seen`
-        buffers = [r.view(out.dtype).view(shape) for r in regions]
-        acc = buffers[0]
-        acc.zero_()
-        for step, others in enumerate(seen, 1):
-            compute(others, acc, rows, held)
-            landing = buffers[step % 2]
-            self._exchange([acc], [landing], _OUTPUT_TAG).wait()
-            acc = landing
-        out.add_(acc[:count])
+        """Move the tokens instead of the weights (distributed/token_walk.py's token_walk, which says how)."""
+        return token_walk.token_walk(self, own, layout, tokens, fill, out, compute, bound, brought)
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.
@@ -649,7 +397,7 @@ class Ring:
         yields nothing. Every rank must exhaust the iterator.
         """
         start, end = rows or (0, layout.rows)
-        self._moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
+        self.moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         count = self.pieces(layout, own)  # the walks' pieces, so the pool's slots already fit them
 
         def pieces(j: int) -> list[Rows]:

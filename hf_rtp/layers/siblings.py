@@ -4,7 +4,7 @@ those tokens once.
 When a forward moves tokens instead of weights (Ring.token_walk), each op costs a message to the next rank
 and one back, whatever its size: on a decode step that latency, not the bytes, is the time. Linears of one
 parent module with the same input width are siblings. A group learns, from the calls it sees, which of its
-members the model calls with the tensor the first one got (the same memory, unchanged: Ring's identities),
+members the model calls with the tensor the first one got (the same memory, unchanged: token_walk.identities),
 and from then on, in forwards without gradients that move tokens, the first one's walk computes all of
 their outputs at once; the others find theirs waiting for their input, or walk alone. What is learnt is the
 model's code path, the same on every rank, so every rank walks alike. Each output is computed as the
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.ring import identities
+from ..distributed.token_walk import identities
 from .common import brought, cast_for_matmul, local, token_bound
 
 
@@ -72,7 +72,7 @@ class Siblings:
 
 class _Seen:
     """A tensor a group saw, by a weak reference (a prompt's hidden states must not outlive their layer) and its
-    identity then: the same tensor, unchanged since (Ring's identities), while it lives."""
+    identity then: the same tensor, unchanged since (token_walk.identities), while it lives."""
 
     def __init__(self, x: torch.Tensor):
         self._ref, self._identity = weakref.ref(x), identities([x])

@@ -60,7 +60,7 @@ queue_callback = _get(torch.autograd.Variable, "_execution_engine.queue_callback
 # DDP's bucketing helpers, for sync_grads' one all-reduce per dtype (model/data_parallel.py)
 flatten_dense_tensors = _get(torch._utils, "_flatten_dense_tensors")
 unflatten_dense_tensors = _get(torch._utils, "_unflatten_dense_tensors")
-# a device-side check without a host sync (layers/embedding.py, model/fused_head.py, distributed/ring.py)
+# a device-side check without a host sync (layers/embedding.py, model/fused_head.py, distributed/token_walk.py)
 _assert_async = _get(torch, "_assert_async")
 ASSERT_MESSAGE_LIMIT = 254  # CUDA's `_assert_async` refuses a message of 255 characters or more; the CPU takes any
 
@@ -81,7 +81,7 @@ _get(torch.Tensor, "_version")
 
 
 def version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter, shared with its views (distributed/ring.py's identities: tokens
+    """The tensor's in-place version counter, shared with its views (distributed/token_walk.py's identities: tokens
     a later op may reuse unchanged)."""
     return tensor._version
 

@@ -53,7 +53,7 @@ ALLOWED = {
     ),
 }
 # an op that sees more tokens than its forward brought: every rank reads the walk's count, once per walk
-SEES_A_CACHE = "distributed/ring.py _largest"
+SEES_A_CACHE = "distributed/token_walk.py _largest"
 # routing by the experts' token counts: vanilla's own routing reads them too (its loop over the experts hit)
 ROUTING = "layers/experts.py __init__"
 
@@ -101,7 +101,7 @@ def _boolean(indices) -> bool:
 
 
 def _place() -> str:
-    """'distributed/ring.py token_walk' for a read hf_rtp's code makes; 'elsewhere' for one whose innermost frame
+    """'distributed/token_walk.py token_walk' for a read hf_rtp's code makes; 'elsewhere' for one whose innermost frame
     outside torch is not hf_rtp's (transformers, the optimizer's caller, autograd's own backward)."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(_TORCH) or (frame.filename == __file__ and frame.name in _RECORDING):
@@ -267,9 +267,9 @@ def test_on_a_two_dimensional_grid_each_rank_keeps_its_own_count(tmp_path):
 def _walks(wide: int, rows: int):
     """On each rank of a ring of two, an op that moves its tokens (F.linear on a rotated weight) with the counts a
     forward's start agreed on: how often it walked, what it read on the host, and its distance from vanilla's."""
-    from hf_rtp.distributed.ring import Traffic
     from hf_rtp.distributed.sharding import ChunkLayout
     from hf_rtp.distributed.topology import setup
+    from hf_rtp.distributed.traffic import Traffic
     from hf_rtp.errors import CollectiveMisuseError
     from hf_rtp.layers.common import local, rotate_forward
     from hf_rtp.model.install import rotated_parameter

@@ -89,12 +89,12 @@ def _disagreeing_walks():
     ring = Ring(group, timeout_s=30.0, watched=True)
     send, recv = torch.arange(4.0), torch.empty(4)
     # The same shapes, other kinds: over NCCL (no tags) these match and the values would be read as the other's.
-    ring._exchange([send], [recv], _WEIGHT_TAG if ring.rank == 0 else _GRAD_TAG).wait()
+    ring.exchange([send], [recv], _WEIGHT_TAG if ring.rank == 0 else _GRAD_TAG).wait()
     deadline = time.monotonic() + 20
     while ring._watch.failure is None and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
-        ring._exchange([send], [recv], _WEIGHT_TAG)
+        ring.exchange([send], [recv], _WEIGHT_TAG)
     except CollectiveMisuseError as err:
         return str(err)
     return None
@@ -118,20 +118,20 @@ def _unanswered_hop():
     send, recv = torch.arange(4.0), torch.empty(4)
     message = None
     if ring.rank == 0:
-        pending = ring._exchange([send], [recv], _WEIGHT_TAG)  # rank 1 is not walking: nothing arrives
+        pending = ring.exchange([send], [recv], _WEIGHT_TAG)  # rank 1 is not walking: nothing arrives
         started = time.monotonic()
         while ring._watch.failure is None and time.monotonic() - started < 20:
             time.sleep(0.1)
         named_after = time.monotonic() - started
         try:
-            ring._exchange([send], [recv], _WEIGHT_TAG)
+            ring.exchange([send], [recv], _WEIGHT_TAG)
         except CollectiveMisuseError as err:
             message = str(err)
         dist.barrier()  # now rank 1 answers the first hop, so both ranks end cleanly
         pending.wait()
         return message, named_after
     dist.barrier()
-    Ring(group, watched=True)._exchange([send], [recv], _WEIGHT_TAG).wait()  # a fresh ring: its count matches
+    Ring(group, watched=True).exchange([send], [recv], _WEIGHT_TAG).wait()  # a fresh ring: its count matches
     return None
 
 

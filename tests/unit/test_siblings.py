@@ -15,7 +15,8 @@ from support.spawn import run_on_ranks
 from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconLinear
 
-from hf_rtp.distributed.ring import Ring, Traffic
+from hf_rtp.distributed.ring import Ring
+from hf_rtp.distributed.traffic import Traffic
 from hf_rtp.layers import RotatedLinear, siblings
 
 HIDDEN = 32

@@ -1,0 +1,68 @@
+"""The buffers foreign pieces land in: one pool per ring, shared by every layer on it (DESIGN.md I3).
+
+Two weight slots and two gradient slots, so a rotated op never holds more than its own chunk plus two foreign
+ones, and nothing is allocated per step. A forward that moves tokens moves no weights, so its messages use the
+weight slots too (distributed/token_walk.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def _matmul_itemsize(like: torch.Tensor) -> int:
+    """Bytes per element the largest planned piece will travel in: the autocast dtype's when autocast is
+    on (an embedding's float32 lookup, which walks first, must not size the slot for float32 matmuls)."""
+    size, device = like.element_size(), like.device.type
+    if like.is_floating_point() and torch.is_autocast_enabled(device):
+        size = min(size, torch.get_autocast_dtype(device).itemsize)
+    return size
+
+
+class BufferPool:
+    """Flat byte buffers keyed by (role, slot, device); chunks are views carved from them in the dtype
+    they travel in, so a float32 walk (an embedding's lookup) and a bf16 one (autocast's matmuls)
+    share one slot instead of holding two."""
+
+    def __init__(self):
+        self._flat: dict[tuple, torch.Tensor] = {}
+        self._planned: dict[torch.device, int] = {}
+        self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
+
+    def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `shapes` in `like`'s dtype, carved one after another from the slot."""
+        size = like.element_size()
+        need = sum(math.prod(s) for s in shapes) * size
+        key = (role, slot, like.device)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < need:
+            flat = None  # free the smaller buffer before allocating the larger one
+            planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
+            flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
+            self._flat[key] = flat
+            self.allocations += 1
+        views, offset = [], 0
+        for shape in shapes:
+            n = math.prod(shape) * size  # offsets stay multiples of the element size: every view is aligned
+            views.append(flat[offset : offset + n].view(like.dtype).view(shape))
+            offset += n
+        return views
+
+    def plan(self, numel: int, like: torch.Tensor) -> None:
+        """Size every slot for the largest piece up front (in elements: a slot first used by a bf16
+        walk takes half the bytes of a float32 one), so none is regrown mid-step.
+
+        Slots are still allocated on first use: gradient slots only once training starts.
+        """
+        self._planned[like.device] = max(self._planned.get(like.device, 0), numel)
+
+    def planned(self, device: torch.device) -> int:
+        """The largest piece's elements planned for `device`'s slots (0 before any layer planned)."""
+        return self._planned.get(device, 0)
+
+    def buffers(self, role: str) -> list[torch.Tensor]:
+        """The role's flat slots, as bytes."""
+        return [t for (r, *_), t in self._flat.items() if r == role]
