@@ -31,9 +31,17 @@ class BufferPool:
         self._flat: dict[tuple, torch.Tensor] = {}
         self._planned: dict[torch.device, int] = {}
         self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
+        # the views `take` carved, by (role, slot, device, dtype, shapes): a walk asks for the same few at every hop,
+        # and carving costs three tensor ops a view; dropped whenever a slot's buffer is replaced
+        self._views: dict[tuple, list[torch.Tensor]] = {}
 
     def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
-        """Views of `shapes` in `like`'s dtype, carved one after another from the slot."""
+        """Views of `shapes` in `like`'s dtype, carved one after another from the slot. The same views for the same
+        request: what a caller wrote in them stays until the slot is taken for something else."""
+        known = (role, slot, like.device, like.dtype, tuple(shapes))
+        views = self._views.get(known)
+        if views is not None:
+            return views
         size = like.element_size()
         need = sum(math.prod(s) for s in shapes) * size
         key = (role, slot, like.device)
@@ -44,11 +52,13 @@ class BufferPool:
             flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
+            self._views = {k: v for k, v in self._views.items() if k[:3] != key}  # views of the freed buffer
         views, offset = [], 0
         for shape in shapes:
             n = math.prod(shape) * size  # offsets stay multiples of the element size: every view is aligned
             views.append(flat[offset : offset + n].view(like.dtype).view(shape))
             offset += n
+        self._views[known] = views
         return views
 
     def plan(self, numel: int, like: torch.Tensor) -> None:

@@ -124,6 +124,7 @@ class Ring:
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
         # what hf_rtp/tools/cost.py models
         self.sent_bytes = 0
+        self.exchanges = 0  # hops this rank posted (each a send to the next rank and a receive from the previous)
 
     @property
     def traffic(self) -> Traffic | None:
@@ -148,6 +149,7 @@ class Ring:
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
         self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
+        self.exchanges += 1
         what, after = "", None  # what names a hop only to a watch: no string built per hop otherwise
         if self._watch is not None:
             what = f"a hop of {_KINDS[tag]} from global rank {self._prev}"

@@ -58,6 +58,9 @@ def test_bench_runs_every_strategy_side_by_side(tmp_path):
     for s in STRATEGIES:
         assert s in done.stdout
     assert "rtp/ddp: memory" in done.stdout and "rtp/fsdp2" in done.stdout
+    # hops per step: a rotated model's walks post them, no other strategy has a ring
+    assert rows[("rtp", 2)]["exchanges_per_step"] > 0 and rows[("ddp", 2)]["exchanges_per_step"] == 0
+    assert "exchanges (hops)" in done.stdout
 
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -223,3 +226,16 @@ def test_long_sequence_mode_cuts_one_sequence_across_the_ring(tmp_path, capsys, 
     assert rows["rtp-cp"]["estimate_gb"] < rows["rtp"]["estimate_gb"]  # half the tokens' activations per rank
     assert "N=2: rtp-cp/rtp: peak per rank" in printed and "time per token" in printed
     assert "FSDP2 with torch's context_parallel: not run" in printed
+
+
+def test_hop_cost_mode_times_a_hop_beside_a_bare_loop_of_the_same_exchanges(tmp_path, capsys):
+    from hf_rtp.tools.cli import main
+
+    main(["bench", "--hop-cost", "--world-sizes", "2", "--steps", "20", "--output", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    (row,) = result["rows"]
+    # at 2 ranks a forward walk makes 1 hop, a backward walk 1 of weights and 1 of gradient accumulators
+    assert row["world_size"] == 2 and row["exchanges_per_walk"] == 3
+    assert set(row["us_per_hop"]) == {"walk forward", "bare forward", "walk backward", "bare backward"}
+    assert all(t > 0 for t in row["us_per_hop"].values())
+    assert "host time per hop" in capsys.readouterr().out

@@ -112,6 +112,7 @@ CLI = {
         "--grpo": False,
         "--num-generations": 8,
         "--long-sequence": False,
+        "--hop-cost": False,
         "--budget-gb": None,
     },
     "hf-rtp estimate": {

@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(the tokens RTP trains per step) for time per token; with --budget-gb, each strategy's longest sequence",
     )
     p.add_argument(
+        "--hop-cost",
+        action="store_true",
+        help="instead: the host time of one hop of the ring at tiny shapes, beside a bare loop of the same exchanges "
+        "and matmuls, at each of --world-sizes; --steps walks per round (hf_rtp.tools.bench.hops)",
+    )
+    p.add_argument(
         "--budget-gb",
         type=float,
         help="instead: each strategy's largest batch per rank within this "

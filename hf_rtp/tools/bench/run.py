@@ -80,6 +80,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
         "tokens_per_s": batches * args.batch * seq / step_s,
         "local_param_gb": worst["local_param_bytes"] / 1e9,
         "ring_mb_per_step": max(r.get("ring_bytes_per_step", 0) for r in reports) / 1e6,
+        "exchanges_per_step": max(r.get("exchanges_per_step", 0) for r in reports),
         "loss_first": reports[0]["losses"][0],  # rank 0's first batch is the same in every strategy
         "ranks": reports,
     }
@@ -152,6 +153,10 @@ def ratios(rows: list[dict]) -> list[str]:
                     f"N={n}: rtp/{other}: memory {rtp['peak_gb'] / o['peak_gb']:.2f}x, step time "
                     f"{rtp['step_s'] / o['step_s']:.2f}x, tokens/s {rtp['tokens_per_s'] / o['tokens_per_s']:.2f}x"
                 )
+        out.append(
+            f"N={n}: rtp's ring per step per rank: {rtp.get('exchanges_per_step', 0):.0f} exchanges (hops), "
+            f"{rtp.get('ring_mb_per_step', 0):.1f} MB sent"
+        )
         grid = by.get(("rtp-2d", n))
         if grid:
             out.append(
@@ -233,6 +238,10 @@ def main(argv=None) -> dict:
         sizes = [int(n) for n in args.world_sizes.split(",")]
     except ValueError:
         sizes = [0]
+    if args.hop_cost:
+        from . import hops
+
+        return hops.run(args, sizes)
     default = "ddp,fsdp2,rtp" if args.load_in_4bit else ",".join(STRATEGIES)
     if args.long_sequence:
         default, args.batch = "ddp,fsdp2,rtp,rtp-cp", 1

@@ -238,9 +238,10 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
     ring = _ring(model)
-    times, losses, sent = [], [], []
+    times, losses, sent, hops = [], [], [], []
     for batch in batches:
         before = ring.sent_bytes if ring is not None else 0
+        hops_before = ring.exchanges if ring is not None else 0
         if world_size > 1:
             dist.barrier()
         if device.type == "cuda":
@@ -253,6 +254,7 @@ def main(argv=None) -> None:
             dist.barrier()  # a step ends when the slowest rank ends it
         times.append(time.perf_counter() - start)
         sent.append(ring.sent_bytes - before if ring is not None else 0)
+        hops.append(ring.exchanges - hops_before if ring is not None else 0)
     marks["train_end"] = time.time()
     if device.type == "cuda":
         marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
@@ -266,6 +268,7 @@ def main(argv=None) -> None:
         step_s=statistics.median(times[args.warmup :]),
         losses=losses,
         ring_bytes_per_step=statistics.median(sent[args.warmup :]),
+        exchanges_per_step=statistics.median(hops[args.warmup :]),
         local_param_bytes=local_bytes,
         load_s=marks["load_end"] - marks["load_start"],
     )

@@ -1,0 +1,175 @@
+"""`hf-rtp bench --hop-cost`: the host time of one hop of the ring, beside a bare loop of the same exchanges.
+
+A training step of a rotated model is a long series of hops, each a point-to-point exchange, a matmul and the
+Python around them. At tiny shapes (a piece of 8 x 8 float32, a 4 x 8 input) the exchange and the matmul cost
+little, so what a hop costs is mostly host time. Each rank times, in one run:
+
+- walk: `Ring.forward_walk` with a tiny matmul per piece, and `Ring.backward_walk` with the two matmuls of a
+  linear's backward (the weight's share into the travelling accumulator, the input's gradient);
+- bare: a loop of the same exchanges (`dist.isend` / `dist.irecv` to the same neighbours, the same tensors)
+  and the same matmuls, with nothing else.
+
+Each is timed in rounds that alternate walk and bare, so both see the same machine; the median round is
+reported, as microseconds per hop (a forward walk makes N-1 hops; a backward walk N-1 hops of weights and
+N-1 of gradient accumulators, counted as exchanges) and as walk / bare. What the ring adds per hop is the
+difference: the pool, its Pending objects, the closures, the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+ROWS, COLS, TOKENS = 8, 8, 4  # a piece of 8 x 8 float32 (256 bytes), a 4 x 8 input
+
+
+def _pair(send, recv, nxt: int, prv: int, group, tag: int) -> list:
+    """A bare hop's send to the next rank and receive from the previous one, as the ring posts them on gloo."""
+    return [dist.isend(send, nxt, group=group, tag=tag), dist.irecv(recv, prv, group=group, tag=tag)]
+
+
+def _bare_forward(group, own, buffers, x, out, world, rank):
+    nxt, prv = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    held, index = own, rank
+    for step in range(world):
+        last = step == world - 1
+        if not last:
+            incoming = buffers[step % 2]
+            works = _pair(held, incoming, nxt, prv, group, 0)
+        out[:, index * ROWS : (index + 1) * ROWS] = x @ held.T
+        if not last:
+            for w in works:
+                w.wait()
+            held, index = incoming, (index - 1) % world
+
+
+def _bare_backward(group, own, buffers, grads, home, x, grad_out, grad_in, world, rank):
+    nxt, prv = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    held, index, acc = own, rank, grads[1]
+    for step in range(world):
+        last = step == world - 1
+        following = (index - 1) % world
+        works = []
+        if not last:
+            incoming = buffers[step % 2]
+            works += _pair(held, incoming, nxt, prv, group, 0)
+        share = grad_out[:, index * ROWS : (index + 1) * ROWS].T @ x
+        if step == 0:
+            home.copy_(share)
+        else:
+            if step == 1:
+                acc = grads[1]
+                acc.zero_()
+            acc.add_(share)
+            landing = grads[(step + 1) % 2]
+            works += _pair(acc, landing, nxt, prv, group, 64)
+        grad_in.addmm_(grad_out[:, index * ROWS : (index + 1) * ROWS], held)
+        for w in works:
+            w.wait()
+        if not last:
+            held = incoming
+        if step > 0:
+            acc = landing
+            if last:
+                home.add_(landing)
+        index = following
+
+
+def main(argv=None) -> None:
+    """One rank: the timings as one JSON line."""
+    from ...distributed.ring import Ring
+    from ...distributed.sharding import ChunkLayout
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--walks", type=int, default=200, help="walks per round")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))  # hf_rtp's rings talk on groups of their own
+    ring = Ring(group)
+    layout = ChunkLayout((torch.Size((world * ROWS, COLS)),), world)
+    gen = torch.Generator().manual_seed(rank)
+    own = torch.randn(ROWS, COLS, generator=gen)
+    x = torch.randn(TOKENS, COLS, generator=gen)
+    grad_out = torch.randn(TOKENS, world * ROWS, generator=gen)
+    out, grad_in = torch.zeros(TOKENS, world * ROWS), torch.zeros(TOKENS, COLS)
+    buffers = [torch.empty(ROWS, COLS) for _ in range(2)]
+    grads = [torch.empty(ROWS, COLS) for _ in range(2)]
+    home = torch.empty(ROWS, COLS)
+    ring.plan(layout, own)
+
+    def compute(rows, held):
+        out[:, rows[0] : rows[1]] = x @ held[0].T
+
+    def accumulate(rows, held, acc):
+        acc[0].add_(grad_out[:, rows[0] : rows[1]].T @ x)
+
+    def input_grad(rows, held):
+        grad_in.addmm_(grad_out[:, rows[0] : rows[1]], held[0])
+
+    cases = {
+        "walk forward": lambda: ring.forward_walk([own], layout, compute),
+        "bare forward": lambda: _bare_forward(group, own, buffers, x, out, world, rank),
+        "walk backward": lambda: ring.backward_walk([own], layout, accumulate, input_grad),
+        "bare backward": lambda: _bare_backward(group, own, buffers, grads, home, x, grad_out, grad_in, world, rank),
+    }
+    for case in cases.values():  # warm: the pool's slots, gloo's pairs
+        for _ in range(5):
+            case()
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for turn in range(args.rounds):
+        # every other round in reverse: a case that follows another's traffic is not always the same one
+        for name, case in list(cases.items())[:: 1 if turn % 2 == 0 else -1]:
+            dist.barrier(group)
+            start = time.perf_counter()
+            for _ in range(args.walks):
+                case()
+            seconds[name].append(time.perf_counter() - start)
+    hops = {"forward": world - 1, "backward": 2 * (world - 1)}
+    per_hop = {name: statistics.median(s) / (args.walks * hops[name.split()[1]]) * 1e6 for name, s in seconds.items()}
+    exchanges_before = ring.exchanges
+    ring.forward_walk([own], layout, compute)
+    ring.backward_walk([own], layout, accumulate, input_grad)
+    print(json.dumps({"rank": rank, "world_size": world, "us_per_hop": per_hop,
+                      "exchanges_per_walk": ring.exchanges - exchanges_before}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def run(args, sizes: list[int]) -> dict:
+    """The driver: every world size, a table of microseconds per hop and the ratios, results.json in --output."""
+    from .processes import run_ranks
+
+    rows = []
+    for n in sizes:
+        if n < 2:
+            continue
+        print(f"hop cost on {n} ranks ...", flush=True)
+        reports = run_ranks(__name__, ["--walks", str(args.steps), "--rounds", "6"], n, timeout=args.timeout)
+        worst = {k: max(r["us_per_hop"][k] for r in reports) for k in reports[0]["us_per_hop"]}
+        rows.append({"world_size": n, "us_per_hop": worst, "exchanges_per_walk": reports[0]["exchanges_per_walk"]})
+    print("\nhost time per hop (us), the slowest rank's median round; tiny pieces over gloo")
+    print(f"{'N':>2} {'walk fwd':>9} {'bare fwd':>9} {'ratio':>6} {'walk bwd':>9} {'bare bwd':>9} {'ratio':>6}")
+    for row in rows:
+        t = row["us_per_hop"]
+        print(
+            f"{row['world_size']:>2} {t['walk forward']:9.1f} {t['bare forward']:9.1f} "
+            f"{t['walk forward'] / t['bare forward']:6.2f} {t['walk backward']:9.1f} {t['bare backward']:9.1f} "
+            f"{t['walk backward'] / t['bare backward']:6.2f}"
+        )
+    result = {"mode": "hop-cost", "walks_per_round": args.steps, "rows": rows}
+    os.makedirs(args.output, exist_ok=True)
+    with open(os.path.join(args.output, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
