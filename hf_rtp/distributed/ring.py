@@ -27,18 +27,18 @@ reduce_dtype says otherwise) and come home cast to the parameter's dtype.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
-from . import token_walk
 from .pending import Pending
 from .pool import BufferPool
 from .replicas import ReplicaSum
 from .sharding import ChunkLayout
 from .token_walk import OUTPUT_TAG, TOKEN_TAG, Bundle, Rows
+from .token_walk import token_walk as _token_walk
 from .traffic import Traffic
 from .transport import Transport, transport_for
 from .watch import Watch
@@ -376,19 +376,8 @@ class Ring:
     """What this rank's own forward brought, its tokens and its sequences, beside the `traffic` every rank agreed
     on (model/traffic.py; None outside a forward): token_walk's `brought`."""
 
-    def token_walk(
-        self,
-        own: Bundle,
-        layout: ChunkLayout,
-        tokens: Bundle,
-        fill: Sequence[float],
-        out: torch.Tensor,
-        compute: Callable[[Bundle, torch.Tensor, Rows, Bundle], None],
-        bound: int,
-        brought: int | None = None,
-    ) -> int | None:
-        """Move the tokens instead of the weights (distributed/token_walk.py's token_walk, which says how)."""
-        return token_walk.token_walk(self, own, layout, tokens, fill, out, compute, bound, brought)
+    # a forward that moves the tokens instead of the weights: distributed/token_walk.py says how
+    token_walk = _token_walk
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.
