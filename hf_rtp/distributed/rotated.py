@@ -9,14 +9,16 @@ number; on a 2-D grid the sum runs over the ring, then over the replicas of this
 refuses the other redistributions under autograd, where there is no data-parallel answer.
 
 Gradients and everything an op on a rotated tensor makes on the rotation mesh are rotated too, and
-DTensor's implicit replication is on only while such an op runs (RotatedTensor.__torch_dispatch__),
-never for the process: other DTensor code keeps torch's check for mixing (DESIGN.md, "Patches").
+DTensor's implicit replication is on only while such an op runs (RotatedTensor.__torch_dispatch__; on torch
+2.10 and 2.11, whose C++ dispatch skips it, __torch_function__), never for the process: other DTensor
+code keeps torch's check for mixing (DESIGN.md, "Patches").
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import types
 from datetime import timedelta
 
 import torch
@@ -27,6 +29,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..errors import CollectiveMisuseError, RotatedStateError
 from ..private.torch_names import (
     SUBCLASS_DISPATCH_BYPASSED,
+    OpOverload,
+    OpOverloadPacket,
     amp_unscale,
     amp_unscale_function,
     disable_torch_function_subclass,
@@ -234,6 +238,11 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
         set_implicit_replication(allowed)
         for t in swapped:
             t.__class__ = RotatedTensor
+    return _marked_outputs(out)
+
+
+def _marked_outputs(out):
+    """`out` (a tensor, or a list or tuple of them) with every DTensor on the rotation mesh rotated."""
     if isinstance(out, DTensor):
         return _marked_if_rotation(out)
     if isinstance(out, (list, tuple)):
@@ -255,22 +264,43 @@ def _namespace(func) -> str | None:
 
 
 def _op_name(func) -> str:
-    """How an error names the op: "aten.mm.default" as __torch_dispatch__ sees it, "torch.Tensor.matmul" as
-    __torch_function__ does."""
-    qualname = getattr(func, "__qualname__", None)
-    if _namespace(func) is not None or not qualname:
+    """How an error names the op: "aten.mm.default" as __torch_dispatch__ sees it, "torch.Tensor.matmul" or
+    "torch.nn.functional.linear" as __torch_function__ does."""
+    name = getattr(func, "__name__", None)
+    if _namespace(func) is not None or not name:
         return str(func)
-    return "torch." + qualname.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "")
+    if getattr(func, "__objclass__", None) is not None:  # a method of torch.Tensor, implemented in C
+        return f"torch.Tensor.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    return f"{_MODULES.get(module, module)}.{name}"
 
 
-def _torch_function(cls, func, types, args=(), kwargs=None):
+_MODULES = {"torch._C._nn": "torch.nn.functional", "torch._C._VariableFunctions": "torch"}
+# what __torch_function__ hands over that is an op (implemented in C, or a torch.ops overload), as against a Python
+# function that torch also routes through it (Tensor.backward, __deepcopy__, F.dropout): those run as they are
+_OPS = (
+    types.BuiltinFunctionType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+    OpOverload,
+    OpOverloadPacket,
+)
+
+
+def _torch_function(cls, func, kinds, args=(), kwargs=None):
     """torch 2.10 and 2.11 dispatch every DTensor op in C++, a subclass's too, and never call its
     __torch_dispatch__ (#167051; 2.12 calls it again): there RotatedTensor does the same one level up, for the
-    calls made from Python (optimizers, clip_grad_norm_, GradScaler, state dicts, torch.ops). Ops autograd calls
-    from C++ get DTensor's own handling: hf_rtp's layers compute on local tensors, and a rotated parameter's
-    gradient is marked where Python reads it (`.grad`)."""
+    ops called from Python (optimizers, clip_grad_norm_, GradScaler, state dicts, torch.ops). A Python function
+    torch routes here too (Tensor.backward, F.dropout) and an attribute's getter (`.grad`, `.shape`) run as they
+    are, without implicit replication, their outputs marked. Ops autograd calls from C++ get DTensor's own
+    handling: hf_rtp's layers compute on local tensors, and a rotated parameter's gradient is marked where Python
+    reads it (`.grad`)."""
+    kwargs = kwargs or {}
     with disable_torch_function_subclass():
-        return _run_op(func, args, kwargs or {}, as_dtensor=False)
+        if isinstance(func, _OPS) and getattr(func, "__name__", None) != "__get__":
+            return _run_op(func, args, kwargs, as_dtensor=False)
+        return _marked_outputs(func(*args, **kwargs))
 
 
 if SUBCLASS_DISPATCH_BYPASSED:

@@ -37,7 +37,9 @@ def set_implicit_replication(allowed: bool) -> None:
 # DTensor.__torch_dispatch__ only raises); 2.9 and older dispatch in Python, 2.12 and newer call a subclass's
 # again. distributed/rotated.py then does its work in __torch_function__ instead.
 SUBCLASS_DISPATCH_BYPASSED = Version(torch.__version__).release[:2] in ((2, 10), (2, 11))
-_OpOverloadPacket = _get(torch._ops, "OpOverloadPacket")
+# an op as torch.ops hands it over: one overload, or the packet of them `torch.ops.lib.op(...)` calls
+OpOverload = _get(torch._ops, "OpOverload")
+OpOverloadPacket = _get(torch._ops, "OpOverloadPacket")
 disable_torch_function_subclass = _get(torch._C, "DisableTorchFunctionSubclass")
 # GradScaler's unscale as __torch_function__ sees it: torch's function, where __torch_dispatch__ sees amp_unscale
 amp_unscale_function = _get(torch, "_amp_foreach_non_finite_check_and_unscale_")
@@ -45,7 +47,7 @@ amp_unscale_function = _get(torch, "_amp_foreach_non_finite_check_and_unscale_")
 
 def overload(func: Any) -> Any:
     """An op overload from what __torch_function__ is given for `torch.ops.lib.op(...)`: the packet's default."""
-    return func.default if isinstance(func, _OpOverloadPacket) else func
+    return func.default if isinstance(func, OpOverloadPacket) else func
 
 
 # the tensor classes foreach kernels accept (clip_grad_norm_, optimizers); torch lists DTensor there itself
@@ -62,14 +64,16 @@ flatten_dense_tensors = _get(torch._utils, "_flatten_dense_tensors")
 unflatten_dense_tensors = _get(torch._utils, "_unflatten_dense_tensors")
 # a device-side check without a host sync (layers/embedding.py, model/fused_head.py, distributed/token_walk.py)
 _assert_async = _get(torch, "_assert_async")
-ASSERT_MESSAGE_LIMIT = 254  # CUDA's `_assert_async` refuses a message of 255 characters or more; the CPU takes any
+ASSERT_MESSAGE_LIMIT = 254  # CUDA's `_assert_async` refuses a message of 255 bytes or more; the CPU takes any
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """`torch._assert_async(condition, message)`, held to CUDA's limit on every device, so that the CPU suite
     fails on a message the first GPU user would have met as "Message length must be smaller than 255"."""
-    if len(message) > ASSERT_MESSAGE_LIMIT:
-        raise ValueError(f"a device assertion's message is {len(message)} characters, over CUDA's limit: {message!r}")
+    if len(message.encode()) > ASSERT_MESSAGE_LIMIT:  # CUDA counts bytes
+        raise ValueError(
+            f"a device assertion's message is {len(message.encode())} bytes, over CUDA's limit: {message!r}"
+        )
     _assert_async(condition, message)
 
 
