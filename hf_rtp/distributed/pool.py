@@ -8,9 +8,12 @@ weight slots too (distributed/token_walk.py).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+VIEWS_KEPT = 64  # a model's walks ask for a handful; more would only keep views of old sequence lengths
 
 
 def _matmul_itemsize(like: torch.Tensor) -> int:
@@ -32,8 +35,9 @@ class BufferPool:
         self._planned: dict[torch.device, int] = {}
         self.allocations = 0  # how many flat buffers were ever created: tests and memory reports read it
         # the views `take` carved, by (role, slot, device, dtype, shapes): a walk asks for the same few at every hop,
-        # and carving costs three tensor ops a view; dropped whenever a slot's buffer is replaced
-        self._views: dict[tuple, list[torch.Tensor]] = {}
+        # and carving costs three tensor ops a view; dropped whenever a slot's buffer is replaced, and the oldest
+        # beyond VIEWS_KEPT (token walks and ring attention ask by sequence length)
+        self._views: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
 
     def take(self, role: str, slot: int, shapes: Sequence[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
         """Views of `shapes` in `like`'s dtype, carved one after another from the slot. The same views for the same
@@ -41,24 +45,30 @@ class BufferPool:
         known = (role, slot, like.device, like.dtype, tuple(shapes))
         views = self._views.get(known)
         if views is not None:
+            self._views.move_to_end(known)
             return views
         size = like.element_size()
         need = sum(math.prod(s) for s in shapes) * size
         key = (role, slot, like.device)
         flat = self._flat.get(key)
         if flat is None or flat.numel() < need:
-            flat = None  # free the smaller buffer before allocating the larger one
+            # free the smaller buffer, and the views kept of it, before allocating the larger one
+            flat = self._flat.pop(key, None)
+            for stale in [k for k in self._views if k[:3] == key]:
+                del self._views[stale]
+            flat = None
             planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
             flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
-            self._views = {k: v for k, v in self._views.items() if k[:3] != key}  # views of the freed buffer
         views, offset = [], 0
         for shape in shapes:
             n = math.prod(shape) * size  # offsets stay multiples of the element size: every view is aligned
             views.append(flat[offset : offset + n].view(like.dtype).view(shape))
             offset += n
         self._views[known] = views
+        if len(self._views) > VIEWS_KEPT:
+            self._views.popitem(last=False)
         return views
 
     def plan(self, numel: int, like: torch.Tensor) -> None:

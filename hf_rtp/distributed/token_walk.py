@@ -13,6 +13,7 @@ The hops themselves are the ring's (`Ring.exchange`); this file posts nothing it
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -34,6 +35,15 @@ _UNREAD_SHORT = (
     "hf_rtp: a rotated op{weights} saw more tokens on some rank than its forward's ranks agreed on; this rank did "
     'not read the count. Load with rotation_moves="weights", or give every rank inputs of one shape'
 )
+
+
+@functools.lru_cache(maxsize=256)
+def _unread_message(global_shapes: tuple[torch.Size, ...]) -> str:
+    """The device assertion's message for a walk of weights of these shapes, made once per layout: under CUDA's
+    255 bytes, with the shapes where they fit."""
+    weights = " and ".join(str(list(s)) for s in global_shapes)
+    short = _UNREAD_SHORT.format(weights=f" (weights {weights})")
+    return short if len(short.encode()) <= ASSERT_MESSAGE_LIMIT else _UNREAD_SHORT.format(weights="")
 
 
 class Hops(Protocol):
@@ -163,16 +173,12 @@ def token_walk(
 def _largest(ring: Hops, most: torch.Tensor, reads: bool, layout: ChunkLayout, bound: int, count: int) -> int:
     """The most tokens any rank brought to a token walk (`most`: [that count, 1 if some rank does not read it]),
     read on the host where this rank `reads`; else `bound`, which a device assertion checks without a read."""
-    weights = " and ".join(str(list(s)) for s in layout.global_shapes)
     if not reads:
-        # CUDA holds a device assertion's message under 255 characters: the long one below is the host's
-        short = _UNREAD_SHORT.format(weights=f" (weights {weights})")
-        assert_async(
-            most[0] <= bound, short if len(short) <= ASSERT_MESSAGE_LIMIT else _UNREAD_SHORT.format(weights="")
-        )
+        assert_async(most[0] <= bound, _unread_message(layout.global_shapes))
         return bound
     largest, some_unread = divmod(int(most[0] * 2 + most[1]), 2)  # one read for both
     if largest > bound and some_unread:
+        weights = " and ".join(str(list(s)) for s in layout.global_shapes)
         raise CollectiveMisuseError(
             f"a rotated op (weights {weights}) that moves tokens saw more tokens on some rank than the {bound} "
             f"its forward's ranks agreed on (rank {ring.rank}: {count}), and on another no more than that rank's "
