@@ -147,6 +147,8 @@ def run(args, sizes: list[int]) -> dict:
     """The driver: every world size, a table of microseconds per hop and the ratios, results.json in --output."""
     from .processes import run_ranks
 
+    if args.device != "cpu" or args.backend:
+        raise SystemExit("--hop-cost times the ring over gloo on the CPU: leave out --device and --backend")
     rows = []
     for n in sizes:
         if n < 2:
