@@ -128,7 +128,8 @@ class _Efficient(Kernel):
     # Half inputs run in float32. In fp16 and bf16 this kernel's backward gave wrong dQ and dK for ring blocks
     # (off by their whole size, NaN at times, run to run), where its output and dV were right and float32 was
     # exact: .ci/gpu on an H100, torch 2.11 (benchmarks/results/gpu-check-h100-run2.log). Float32 costs this
-    # kernel twice the memory and time of a block; flash and cuDNN, which come first for half precision, keep theirs.
+    # kernel more memory and time per block (not measured). Flash, which comes first for half precision, and cuDNN
+    # keep theirs; this kernel is picked for half inputs where flash is switched off or does not fit.
     def forward(self, q, k, v, causal, scale):
         out, lse, seed, offset = ops.efficient_attention(
             query=q.float(), key=k.float(), value=v.float(), attn_bias=None, compute_log_sumexp=True, dropout_p=0.0,
