@@ -53,10 +53,10 @@ class BufferPool:
         flat = self._flat.get(key)
         if flat is None or flat.numel() < need:
             # free the smaller buffer, and the views kept of it, before allocating the larger one
-            flat = self._flat.pop(key, None)
+            self._flat.pop(key, None)
+            flat = None
             for stale in [k for k in self._views if k[:3] == key]:
                 del self._views[stale]
-            flat = None
             planned = self._planned.get(like.device, 0) * _matmul_itemsize(like)
             flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
