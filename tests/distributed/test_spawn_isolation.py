@@ -64,3 +64,18 @@ def _cache_seen():
     import huggingface_hub.constants
 
     return huggingface_hub.constants.HF_HUB_CACHE
+
+
+def _crash_on_rank_1():
+    import ctypes
+
+    if os.environ["RANK"] == "1":
+        ctypes.string_at(0)  # a segfault in C, as a CUDA library's can be: no traceback, nothing on the queue
+    return "rank 0's result"
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_rank_that_dies_in_c_fails_the_test_at_once_with_its_signal(fresh):
+    # before, the test waited out the whole timeout and said only "gave no result" (.ci/gpu's QLoRA stage, twice)
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] exited without a result \(exit codes \{1: -11\}\)"):
+        run_on_ranks(_crash_on_rank_1, 2, timeout=600, fresh=fresh)

@@ -9,13 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing
 import os
+import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = "60"  # a bug fails in a minute instead of hanging for ten
+
+
+def _stacks_later() -> None:
+    """.ci/gpu (HF_RTP_TEST_STACKS_AFTER_S): every thread's stacks to stderr after that many seconds, and again
+    each time as many pass, so that a rank that hangs prints where before its stage is killed."""
+    if os.environ.get("HF_RTP_TEST_STACKS_AFTER_S"):
+        faulthandler.dump_traceback_later(float(os.environ["HF_RTP_TEST_STACKS_AFTER_S"]), repeat=True)
+
+
+# A rank unpickles _worker, importing this module, before the test's module and whatever that imports (transformers,
+# a CUDA library's first load): a hang there would come before _worker, so the timer starts here; and a rank that
+# crashes in C prints its stack (faulthandler's handlers for SIGSEGV, SIGABRT and the like). A rank is known by its
+# name, which multiprocessing sets before it unpickles; parent_process() is set only after.
+if multiprocessing.current_process().name != "MainProcess":
+    faulthandler.enable()
+    _stacks_later()
 
 
 def free_port() -> int:
@@ -40,8 +59,7 @@ def _worker(rank, world_size, port, fn, args, inherited, env, results, preloaded
         TRANSFORMERS_VERBOSITY="error",
     )
     os.environ.update(env)
-    if os.environ.get("HF_RTP_TEST_STACKS_AFTER_S"):  # .ci/gpu: a rank that hangs prints where, before it is killed
-        faulthandler.dump_traceback_later(float(os.environ["HF_RTP_TEST_STACKS_AFTER_S"]), exit=False)
+    _stacks_later()  # from the function's start, for a preloaded rank that imported nothing else
     import torch
 
     torch.set_num_threads(1)
@@ -155,13 +173,9 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False):
     finally:
         os.environ.clear()
         os.environ.update(started_with)
-    outcome = {}
+    outcome: dict = {}
     try:
-        while not set(wanted) <= set(outcome):
-            rank, ok, value = results.get(timeout=timeout)
-            outcome[rank] = (ok, value)
-    except Exception:
-        raise RuntimeError(f"ranks {sorted(set(wanted) - set(outcome))} gave no result within {timeout}s") from None
+        _collect(results, procs, wanted, outcome, timeout)
     finally:
         for rank, p in enumerate(procs):
             if rank not in wanted:
@@ -173,6 +187,31 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False):
     if failures:
         raise RuntimeError("\n".join(failures))
     return [outcome[r][1] for r in wanted]
+
+
+def _collect(results, procs, wanted, outcome, timeout) -> None:
+    """Each wanted rank's (ok, value) into `outcome`, failing at once, with its exit code, when a rank ended
+    without one: a rank killed by a signal or crashed in C (a segfault in a CUDA library) reports nothing, and
+    waiting the whole timeout for it would only hide why (a negative code is the signal's number)."""
+    deadline = time.monotonic() + timeout
+    while not set(wanted) <= set(outcome):
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+            outcome[rank] = (ok, value)
+            continue
+        except queue.Empty:
+            pass
+        ended = {r: procs[r].exitcode for r in wanted if r not in outcome and procs[r].exitcode is not None}
+        if ended:
+            with contextlib.suppress(queue.Empty):  # what a rank put just before it exited is still in the pipe
+                while True:
+                    rank, ok, value = results.get(timeout=2.0)
+                    outcome[rank] = (ok, value)
+            ended = {r: code for r, code in ended.items() if r not in outcome}
+            if ended:
+                raise RuntimeError(f"ranks {sorted(ended)} exited without a result (exit codes {ended})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ranks {sorted(set(wanted) - set(outcome))} gave no result within {timeout}s")
 
 
 def finish_launchers(procs, timeout: float) -> list[str]:
