@@ -65,3 +65,47 @@ class ChunkLayout:
 
     def max_numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes(0))
+
+
+@dataclass(frozen=True)
+class StackedLayout(ChunkLayout):
+    """Layouts of tensors that take the same input (q, k and v; gate and up) walked as one: chunk r is every
+    member's chunk r, one after another, so one hop carries them all and one matmul computes them.
+
+    Its rows are virtual and chunk-major: chunk r starts where chunk r-1 ends, and within it come the members'
+    chunks r in turn. A walk's arithmetic (pieces, shapes, slots) then holds as for one tensor; `columns` maps
+    each member's rows back. Every member must share the trailing shapes (one input width, all with a bias or
+    none) and the world size."""
+
+    members: tuple[ChunkLayout, ...] = ()
+
+    @classmethod
+    def of(cls, members: tuple[ChunkLayout, ...]) -> StackedLayout:
+        trailing = {tuple(tuple(s[1:]) for s in m.global_shapes) for m in members}
+        worlds = {m.world_size for m in members}
+        if len(trailing) != 1 or len(worlds) != 1:
+            raise ValueError(f"stacked layouts must share trailing shapes and world size, got {members}")
+        total = sum(m.rows for m in members)
+        shapes = tuple(torch.Size((total, *s[1:])) for s in members[0].global_shapes)
+        return cls(shapes, members[0].world_size, tuple(members))
+
+    def _size(self, index: int) -> int:
+        return sum(b - a for a, b in (m.bounds(index) for m in self.members))
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        start = sum(self._size(i) for i in range(index))
+        return start, start + self._size(index)
+
+    def columns(self, member: int) -> list[int]:
+        """The virtual rows holding member `member`'s rows, in its own order (chunk 0's first)."""
+        out: list[int] = []
+        for index in range(self.world_size):
+            start = self.bounds(index)[0] + sum(self.members[m].bounds(index)[1] - self.members[m].bounds(index)[0]
+                                                for m in range(member))  # fmt: skip
+            first, last = self.members[member].bounds(index)
+            out.extend(range(start, start + last - first))
+        return out
+
+    def own_sizes(self, index: int) -> list[int]:
+        """How many rows each member has in chunk `index`, in order."""
+        return [b - a for a, b in (m.bounds(index) for m in self.members)]
