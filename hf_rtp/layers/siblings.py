@@ -1,14 +1,16 @@
-"""Rotated linears that a model calls on the same tokens, one after another (q, k and v; gate and up), moving
-those tokens once.
+"""Rotated linears that a model calls on the same tokens, one after another (q, k and v; gate and up), walking
+the ring once for all of them.
 
-When a forward moves tokens instead of weights (Ring.token_walk), each op costs a message to the next rank
-and one back, whatever its size: on a decode step that latency, not the bytes, is the time. Linears of one
-parent module with the same input width are siblings. A group learns, from the calls it sees, which of its
-members the model calls with the tensor the first one got (the same memory, unchanged: token_walk.identities),
-and from then on, in forwards without gradients that move tokens, the first one's walk computes all of
-their outputs at once; the others find theirs waiting for their input, or walk alone. What is learnt is the
-model's code path, the same on every rank, so every rank walks alike. Each output is computed as the
-member's own walk would have: its own rows, F.linear, in the input's dtype.
+Linears of one parent module with the same input width (and all with a bias or none) are siblings. Two ways:
+- In a forward without gradients that moves tokens (a decode step, where each op's latency is the time), a group
+  learns from the calls it sees which of its members the model calls with the tensor the first one got (the same
+  memory, unchanged: token_walk.identities), and from then on the first one's token walk carries the tokens once
+  for all of them (`_walk`), each output computed as the member's own walk would have: its own rows, F.linear.
+- Otherwise, members named together in STACKED (q/k/v, gate/up) walk their weights stacked (layers/stacked.py:
+  one hop and one matmul per chunk for all of them, forward and backward), in training, prefill and a gradient
+  checkpoint's recomputation alike, from the first forward on.
+Either way the first member called computes the others' outputs, which find theirs waiting for their input, or
+walk alone. What decides is the model's code path, the same on every rank, so every rank walks alike.
 """
 
 from __future__ import annotations
@@ -21,15 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.sharding import StackedLayout
 from ..distributed.token_walk import identities
 from .common import brought, cast_for_matmul, local, token_bound
+from .stacked import stacked_linear
+
+# Linears that read one tensor, by name, in every family the registered plans know: the members that walk stacked.
+# Declared, not learnt, so that every forward walks alike: the first after a load as the thousandth (a stacked
+# matmul rounds at the ulp unlike each member's own, and a resumed run must repeat the run it resumes bit for bit),
+# and a gradient checkpoint's recomputation as the forward it recomputes. A member then called on other tokens
+# walks alone (its stacked output is dropped): right, only slower.
+STACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
 
 class Siblings:
     """A group of rotated linears of one parent with the same in_features (layers.linear.RotatedLinear)."""
 
-    def __init__(self, members: list[Any]):  # RotatedLinear (a layer of its own would import this module)
-        self.members = members
+    def __init__(self, members: list[Any], stacked: tuple[tuple[int, ...], ...] = ()):
+        self.members = members  # RotatedLinear (a layer of its own would import this module)
+        # a member -> the others it walks stacked with (STACKED), whichever of them the model calls first
+        self.stacked = {i: [j for j in together if j != i] for together in stacked for i in together}
+        self._stacks: dict[tuple[int, ...], StackedLayout] = {}  # the members walking together -> their layout
+        self._columns: dict[tuple[tuple[int, ...], torch.device], list[torch.Tensor]] = {}
         self.follow: dict[int, list[int]] = {}  # a member called first on some tokens -> those called on them next
         self._current: tuple[_Seen, int] | None = None  # the last tokens and who got them first
         self._waiting: dict[int, tuple[_Seen, torch.Tensor]] = {}  # a member -> (its input, its output)
@@ -50,24 +65,40 @@ class Siblings:
     def forward(self, member: Any, x: torch.Tensor) -> torch.Tensor | None:
         """`member`'s output, from the group's walk, or None: the caller walks alone."""
         index = next((i for i, m in enumerate(self.members) if m is member), None)
-        ring = member.ring
-        if index is None or torch.is_grad_enabled() or ring.traffic is None:
+        if index is None:
             self._waiting.clear()
             return None
         waiting = self._waiting.pop(index, None)
         if waiting is not None and waiting[0].is_(x):
             return waiting[1]
-        self.observe(index, x)
-        group = [index, *self.follow.get(index, [])]
-        if len(group) == 1:
-            return None
-        modules = [self.members[i] for i in group]
-        outputs = _walk(modules, cast_for_matmul(x), ring)
+        outputs: list[torch.Tensor] | None = None
+        group: tuple[int, ...] = (index,)
+        if not torch.is_grad_enabled() and member.ring.traffic is not None:  # tokens may move: a decode step
+            self.observe(index, x)
+            group = (index, *self.follow.get(index, []))
+            if len(group) > 1:  # None: these tokens do not move
+                outputs = _walk([self.members[i] for i in group], cast_for_matmul(x), member.ring)
         if outputs is None:
-            return None
+            group = (index, *self.stacked.get(index, []))
+            if len(group) == 1:
+                return None
+            outputs = self._stacked(group, [self.members[i] for i in group], cast_for_matmul(x))
         for i, out in zip(group[1:], outputs[1:], strict=True):
             self._waiting[i] = (_Seen(x), out)
         return outputs[0]
+
+    def _stacked(self, group: tuple[int, ...], modules: list, x: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of `modules` for `x` by one walk of their stacked weights (layers/stacked.py)."""
+        layout = self._stacks.get(group)
+        if layout is None:
+            layout = self._stacks[group] = StackedLayout.of(tuple(m.layout for m in modules))
+        columns = self._columns.get((group, x.device))
+        if columns is None:
+            columns = [torch.tensor(layout.columns(m), device=x.device) for m in range(len(modules))]
+            self._columns[(group, x.device)] = columns
+        biases = [local(m.bias) for m in modules] if modules[0].bias is not None else None
+        weights = [local(m.weight) for m in modules]
+        return list(stacked_linear(x, modules[0].ring, layout, columns, weights, biases))
 
 
 class _Seen:
@@ -114,14 +145,22 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
 
 
 def group(parent: nn.Module, linear: Any) -> None:
-    """Make `parent`'s direct children of exactly `linear` with one input width (two or more) siblings."""
-    by_width: dict[int, list[Any]] = {}
+    """Make `parent`'s direct children of exactly `linear` with one input width, all with a bias or none (two or
+    more), siblings; those named together in STACKED walk stacked."""
+    by_width: dict[tuple[int, bool], list[tuple[str, Any]]] = {}
     child: Any
-    for child in parent.children():
+    for name, child in parent.named_children():
         if type(child) is linear and not child.bias_after_matmul:
-            by_width.setdefault(child.in_features, []).append(child)
-    for members in by_width.values():
-        if len(members) > 1:
-            siblings = Siblings(members)
-            for m in members:
-                m.siblings = siblings
+            by_width.setdefault((child.in_features, child.bias is None), []).append((name, child))
+    for named in by_width.values():
+        if len(named) < 2:
+            continue
+        names = [name for name, _ in named]
+        stacked = tuple(tuple(names.index(n) for n in together) for together in STACKED if set(together) <= set(names))
+        members = [child for _, child in named]
+        siblings = Siblings(members, stacked)
+        for m in members:
+            m.siblings = siblings
+        for together in stacked:  # a stacked walk's pieces fit the pool's slots, reserved before the first step
+            layout = StackedLayout.of(tuple(members[i].layout for i in together))
+            members[0].ring.plan(layout, local(members[0].weight))

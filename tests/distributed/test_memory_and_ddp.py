@@ -72,6 +72,7 @@ def test_ddp_matches_sync_grads_and_rank_holds_its_share(tmp_path):
 
 def _count_live_chunks(ckpt, out, piece_size):
     import hf_rtp
+    from hf_rtp.distributed.sharding import StackedLayout
 
     rank, world = _rank_world()
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rotation_piece_size=piece_size).train()
@@ -107,13 +108,18 @@ def _count_live_chunks(ckpt, out, piece_size):
     weight_buffers = ring.pool.buffers("weights")
     pool = {b.untyped_storage().data_ptr() for b in weight_buffers}
     layouts = [m.layout for m in model.modules() if hasattr(m, "layout")]
+    # q/k/v and gate/up walk stacked (layers/siblings.py's STACKED): one walk, of their layouts stacked, for each set
+    groups = {id(m.siblings): m.siblings for m in model.modules() if "siblings" in vars(m)}
+    stacked = {(g, tuple(sorted([i, *others]))) for g in groups.values() for i, others in g.stacked.items()}
+    walks = len(layouts) - sum(len(members) - 1 for _, members in stacked)
+    layouts += [StackedLayout.of(tuple(g.members[i].layout for i in members)) for g, members in stacked]
     largest = max(layout.max_piece_numel(ring.pieces(layout, model.lm_head.weight)) for layout in layouts)
     assert len(weight_buffers) == 2 and all(b.nbytes == largest * 4 for b in weight_buffers)  # float32 slots
     if piece_size != "16MB":  # slots hold a piece, far less than the largest chunk (the embedding's)
         assert largest * 4 <= ring.piece_bytes < 4 * max(layout.max_numel() for layout in layouts)
     assert ring.pool.allocations == 4  # two weight and two gradient slots, sized once, never regrown
     assert len(ring.pool.buffers("grads")) == 2
-    assert len(foreign_per_op) == sum(1 for m in model.modules() if hasattr(m, "layout"))
+    assert stacked and len(foreign_per_op) == walks
     assert all(len(s) == world - 1 and s <= pool for s in foreign_per_op)  # N-1 = 2 chunks, both pool slots
     assert not saved & pool, "a foreign chunk was kept for backward"
     model.save_pretrained(out)  # chunks stream to rank 0 through the same two weight slots
@@ -125,4 +131,4 @@ def _count_live_chunks(ckpt, out, piece_size):
 def test_rotated_op_holds_at_most_two_foreign_chunks(tmp_path, piece_size):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
     ops = run_on_ranks(_count_live_chunks, 3, ckpt, str(tmp_path / "out"), piece_size)
-    assert ops[0] == 2 * 7 + 2  # 7 projections per layer, embedding, LM head
+    assert ops[0] == 2 * 4 + 2  # per layer 7 projections in 4 walks (q/k/v and gate/up stacked), embedding, LM head
