@@ -167,6 +167,32 @@ class FrozenQuantizedLinear(RotatedLinear):
         """A piece's rows of the weight as PEFT's `dequantize_bnb_weight` gives vanilla's whole weight (DoRA)."""
         raise NotImplementedError
 
+    def rows_forward(self, x: torch.Tensor, piece: torch.Tensor, bias, layout: ChunkLayout) -> torch.Tensor:
+        """This layer's math on the ring for `piece` (this rank's rows of `layout`) and the whole `bias`: its own,
+        or its siblings' stacked with it (layers/siblings.py)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        siblings = self.__dict__.get("siblings")  # layers.siblings: q, k and v on the same tokens, walked stacked
+        if siblings is not None:
+            found = siblings.forward(self, x)
+            if found is not None:
+                return found
+        return self.rows_forward(x, local(self.weight), self.bias, self.layout)
+
+    def stacked(self, modules: list, x: torch.Tensor, layout, columns: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every one of `modules`' outputs for `x` by one walk of their pieces stacked (layers/siblings.py): the
+        same Function over `layout` (distributed/sharding.py's StackedLayout), the whole biases in its rows'
+        order; each output is its columns of the stacked one, and their gradients reach the input through them."""
+        piece = torch.cat([local(m.weight) for m in modules])
+        bias = None
+        if self.bias is not None:
+            bias = self.bias.new_empty(layout.rows)
+            for m, cols in zip(modules, columns, strict=True):
+                bias[cols] = m.bias.detach()
+        out = self.rows_forward(x, piece, bias, layout)
+        return [out.index_select(-1, cols) for cols in columns]
+
     def dequantized_rows(self) -> torch.Tensor:
         """This rank's rows of the dequantized weight (no communication)."""
         piece = local(self.weight)
@@ -195,7 +221,7 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
         absmax = piece[:, data:].contiguous().view(torch.float32).view(-1)
         return packed, absmax
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def rows_forward(self, x: torch.Tensor, piece: torch.Tensor, bias, layout: ChunkLayout) -> torch.Tensor:
         # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16), the output
         # back in the input's dtype
         dtype = x.dtype
@@ -204,8 +230,8 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
             compute = x.dtype
         if compute is not None:
             x = x.to(compute)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return _Rotated4bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self).to(dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+        return _Rotated4bitFn.apply(x, piece, bias, self.ring, layout, self).to(dtype)
 
     def extra_repr(self) -> str:
         return (

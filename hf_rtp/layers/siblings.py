@@ -2,13 +2,15 @@
 the ring once for all of them.
 
 Linears of one parent module with the same input width (and all with a bias or none) are siblings. Two ways:
-- In a forward without gradients that moves tokens (a decode step, where each op's latency is the time), a group
-  learns from the calls it sees which of its members the model calls with the tensor the first one got (the same
-  memory, unchanged: token_walk.identities), and from then on the first one's token walk carries the tokens once
-  for all of them (`_walk`), each output computed as the member's own walk would have: its own rows, F.linear.
-- Otherwise, members named together in STACKED (q/k/v, gate/up) walk their weights stacked (layers/stacked.py:
-  one hop and one matmul per chunk for all of them, forward and backward), in training, prefill and a gradient
-  checkpoint's recomputation alike, from the first forward on.
+- In a forward without gradients that moves tokens (a decode step, where each op's latency is the time), the
+  first one's token walk carries the tokens once for all of them (`_walk`), each output computed as the member's
+  own walk would have: its own rows, F.linear, no stacked copy of the weights. Its members: those STACKED names;
+  else those the group learnt from the calls it sees, the ones the model calls with the tensor the first one got
+  (the same memory, unchanged: token_walk.identities). Not for quantized members, whose pieces are bytes.
+- Otherwise (and where those tokens do not move), members named together in STACKED (q/k/v, gate/up) walk their
+  weights stacked (layers/stacked.py, or a quantized kind's own Function over their packed rows: one hop and one
+  matmul per chunk for all of them, forward and backward), in training, prefill and a gradient checkpoint's
+  recomputation alike, from the first forward on.
 Either way the first member called computes the others' outputs, which find theirs waiting for their input, or
 walk alone. What decides is the model's code path, the same on every rank, so every rank walks alike.
 """
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..distributed.sharding import StackedLayout
 from ..distributed.token_walk import identities
+from ..errors import RotatedStateError
 from .common import brought, cast_for_matmul, local, token_bound
 from .stacked import stacked_linear
 
@@ -73,22 +76,27 @@ class Siblings:
             return waiting[1]
         outputs: list[torch.Tensor] | None = None
         group: tuple[int, ...] = (index,)
-        if not torch.is_grad_enabled() and member.ring.traffic is not None:  # tokens may move: a decode step
+        # tokens may move: a decode step (not for quantized members, whose pieces are bytes, not F.linear's weights)
+        if not torch.is_grad_enabled() and member.ring.traffic is not None and not hasattr(member, "stacked"):
             self.observe(index, x)
-            group = (index, *self.follow.get(index, []))
+            # those STACKED names, else those learnt: each computes its own rows, no stacked copy of the weights
+            group = (index, *(self.stacked.get(index) or self.follow.get(index, [])))
             if len(group) > 1:  # None: these tokens do not move
                 outputs = _walk([self.members[i] for i in group], cast_for_matmul(x), member.ring)
         if outputs is None:
             group = (index, *self.stacked.get(index, []))
             if len(group) == 1:
                 return None
-            outputs = self._stacked(group, [self.members[i] for i in group], cast_for_matmul(x))
+            outputs = self._stacked(group, [self.members[i] for i in group], x)
+            if outputs is None:
+                return None
         for i, out in zip(group[1:], outputs[1:], strict=True):
             self._waiting[i] = (_Seen(x), out)
         return outputs[0]
 
-    def _stacked(self, group: tuple[int, ...], modules: list, x: torch.Tensor) -> list[torch.Tensor]:
-        """The outputs of `modules` for `x` by one walk of their stacked weights (layers/stacked.py)."""
+    def _stacked(self, group: tuple[int, ...], modules: list, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The outputs of `modules` for `x` by one walk of their stacked weights (layers/stacked.py), or None: each
+        walks alone (quantized members of two kinds)."""
         layout = self._stacks.get(group)
         if layout is None:
             layout = self._stacks[group] = StackedLayout.of(tuple(m.layout for m in modules))
@@ -96,8 +104,21 @@ class Siblings:
         if columns is None:
             columns = [torch.tensor(layout.columns(m), device=x.device) for m in range(len(modules))]
             self._columns[(group, x.device)] = columns
+        if hasattr(modules[0], "stacked"):  # quantized (layers/linear4bit.py): its own Function, its pieces stacked
+            if len({(type(m), m.spec) for m in modules}) > 1:
+                return None
+            return modules[0].stacked(modules, x, layout, columns)
+        x = cast_for_matmul(x)
         biases = [local(m.bias) for m in modules] if modules[0].bias is not None else None
         weights = [local(m.weight) for m in modules]
+        if len({(w.dtype, w.device, w.shape[1:]) for w in weights}) > 1:  # a member changed since it was grouped
+            raise RotatedStateError(
+                "linears grouped to walk stacked no longer share a dtype, device and input width: "
+                + ", ".join(
+                    f"{type(m).__name__} {tuple(w.shape)} {w.dtype}" for m, w in zip(modules, weights, strict=True)
+                )
+                + ". Replacing a rotated linear's weight after loading is not supported"
+            )
         return list(stacked_linear(x, modules[0].ring, layout, columns, weights, biases))
 
 
@@ -144,6 +165,12 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
     ]
 
 
+def _alike(members: list) -> bool:
+    """The same weights' dtype and row shape: not float rows beside a quantized sibling's packed bytes, which a load
+    holds in plain linears until integrations/bitsandbytes.py swaps them (and groups again)."""
+    return len({(local(m.weight).dtype, local(m.weight).shape[1:]) for m in members}) == 1
+
+
 def group(parent: nn.Module, linear: Any) -> None:
     """Make `parent`'s direct children of exactly `linear` with one input width, all with a bias or none (two or
     more), siblings; those named together in STACKED walk stacked."""
@@ -156,8 +183,9 @@ def group(parent: nn.Module, linear: Any) -> None:
         if len(named) < 2:
             continue
         names = [name for name, _ in named]
-        stacked = tuple(tuple(names.index(n) for n in together) for together in STACKED if set(together) <= set(names))
         members = [child for _, child in named]
+        present = [[names.index(n) for n in together if n in names] for together in STACKED]  # two or more of them
+        stacked = tuple(tuple(p) for p in present if len(p) > 1 and _alike([members[i] for i in p]))
         siblings = Siblings(members, stacked)
         for m in members:
             m.siblings = siblings

@@ -163,6 +163,40 @@ def test_a_bf16_base_as_qlora_usually_runs_it(tmp_path):
             assert scale > 0 and difference <= 3e-2 * scale, (rank, name, difference, scale)
 
 
+def _partly_quantized(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    config = _bnb()
+    config.llm_int8_skip_modules = ["v_proj", "up_proj", "lm_head"]  # q and k 4-bit, v float; gate 4-bit, up float
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config)
+    vanilla = vanilla_training_path(
+        AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, quantization_config=config)
+    )
+    attention = model.model.layers[0].self_attn
+    kinds = [type(attention.get_submodule(n)).__name__ for n in ("q_proj", "k_proj", "v_proj")]
+    # q and k stack their packed rows; v, float, walks alone; so do gate (4-bit) and up (float)
+    mlp = model.model.layers[0].mlp
+    apart = ["v_proj"] if "siblings" in vars(attention.v_proj) else []
+    apart += [n for n in ("gate_proj", "up_proj") if "siblings" in vars(mlp.get_submodule(n))]
+    kinds += [attention.q_proj.siblings.stacked == {0: [1], 1: [0]}, apart]
+    _, logits, losses, grads = beside_vanilla(model, vanilla)
+    return kinds, logits, losses, grads
+
+
+def test_a_linear_the_skip_setting_keeps_in_float_walks_apart_from_its_quantized_siblings(tmp_path):
+    # q/k/v and gate/up walk stacked (layers/siblings.py): once q and k are 4-bit, v must not stack with their bytes,
+    # and q and k stack as 4-bit pieces
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
+    for rank, (kinds, logits, losses, grads) in enumerate(run_on_ranks(_partly_quantized, 2, ckpt)):
+        assert kinds == ["RotatedLinear4bit", "RotatedLinear4bit", "RotatedLinear", True, []], kinds
+        assert logits < 1e-5, (rank, logits)
+        assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
+        for name, (difference, scale) in grads.items():
+            assert scale > 0 and difference <= 1e-7 + 1e-5 * scale, (rank, name, difference, scale)
+
+
 def _narrow(ckpt):
     import hf_rtp
 
