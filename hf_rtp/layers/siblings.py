@@ -1,7 +1,7 @@
 """Rotated linears that a model calls on the same tokens, one after another (q, k and v; gate and up), walking
 the ring once for all of them.
 
-Linears of one parent module with the same input width (and all with a bias or none) are siblings. Two ways:
+Linears of one parent module with the same input width are siblings. Two ways:
 - In a forward without gradients that moves tokens (a decode step, where each op's latency is the time), the
   first one's token walk carries the tokens once for all of them (`_walk`), each output computed as the member's
   own walk would have: its own rows, F.linear, no stacked copy of the weights. Its members: those STACKED names;
@@ -166,19 +166,20 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
 
 
 def _alike(members: list) -> bool:
-    """The same weights' dtype and row shape: not float rows beside a quantized sibling's packed bytes, which a load
-    holds in plain linears until integrations/bitsandbytes.py swaps them (and groups again)."""
-    return len({(local(m.weight).dtype, local(m.weight).shape[1:]) for m in members}) == 1
+    """The same weights' dtype and row shape, all with a bias or none: what a stacked walk carries as one bundle. Not
+    float rows beside a quantized sibling's packed bytes, which a load holds in plain linears until
+    integrations/bitsandbytes.py swaps them (and groups again)."""
+    return len({(local(m.weight).dtype, local(m.weight).shape[1:], m.bias is None) for m in members}) == 1
 
 
 def group(parent: nn.Module, linear: Any) -> None:
-    """Make `parent`'s direct children of exactly `linear` with one input width, all with a bias or none (two or
-    more), siblings; those named together in STACKED walk stacked."""
-    by_width: dict[tuple[int, bool], list[tuple[str, Any]]] = {}
+    """Make `parent`'s direct children of exactly `linear` with one input width (two or more) siblings; those named
+    together in STACKED, alike, walk stacked."""
+    by_width: dict[int, list[tuple[str, Any]]] = {}
     child: Any
     for name, child in parent.named_children():
         if type(child) is linear and not child.bias_after_matmul:
-            by_width.setdefault((child.in_features, child.bias is None), []).append((name, child))
+            by_width.setdefault(child.in_features, []).append((name, child))
     for named in by_width.values():
         if len(named) < 2:
             continue

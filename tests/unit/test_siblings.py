@@ -24,22 +24,23 @@ HIDDEN = 32
 
 class _Block(nn.Module):
     """q, k and v read the hidden states; o reads the attention's output (another width); `dense` reads the
-    hidden states too but adds its bias after the matmul (Falcon's); `u` reads them too, without a bias, where q, k
-    and v have one; `inner` holds one more of them a level down."""
+    hidden states too but adds its bias after the matmul (Falcon's); `gate` and `up` read them too, one with a bias
+    and one without; `inner` holds one more of them a level down."""
 
     def __init__(self):
         super().__init__()
         self.q_proj = nn.Linear(HIDDEN, HIDDEN)
         self.k_proj = nn.Linear(HIDDEN, HIDDEN // 2)
         self.v_proj = nn.Linear(HIDDEN, HIDDEN // 2)
-        self.u_proj = nn.Linear(HIDDEN, 8, bias=False)
+        self.gate_proj = nn.Linear(HIDDEN, 8)
+        self.up_proj = nn.Linear(HIDDEN, 8, bias=False)
         self.o_proj = nn.Linear(HIDDEN + 8, HIDDEN)
         self.dense = FalconLinear(HIDDEN, HIDDEN)
         self.inner = nn.Module()
         self.inner.gate = nn.Linear(HIDDEN, 4)
 
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "u_proj", "o_proj", "dense", "inner.gate")
+LINEARS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "dense", "inner.gate")
 
 
 def _vanilla(dtype=torch.float64) -> _Block:
@@ -66,12 +67,14 @@ def _decoding(ring: Ring, tokens: int = 1) -> None:
 def test_direct_children_of_one_input_width_are_siblings():
     block = _rotated(_vanilla(), Ring(None))
     group = block.q_proj.siblings
-    assert group.members == [block.q_proj, block.k_proj, block.v_proj]
-    assert all(block.get_submodule(n).siblings is group for n in ("k_proj", "v_proj"))
-    # o: alone at its width; dense: its bias is added after the matmul, as its code does; u: no bias, where the
-    # stacked walk carries one for every member; gate: another parent's
-    assert group.stacked == {0: [1, 2], 1: [0, 2], 2: [0, 1]}  # STACKED names them; any of them may be called first
-    assert not any("siblings" in block.get_submodule(n).__dict__ for n in ("o_proj", "dense", "u_proj", "inner.gate"))
+    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert group.members == [block.get_submodule(n) for n in names]
+    assert all(block.get_submodule(n).siblings is group for n in names)
+    # STACKED names q/k/v and gate/up; any of q, k and v may be called first. Gate and up do not stack: one has a bias
+    # and the other none, where a stacked walk carries one bundle
+    assert group.stacked == {0: [1, 2], 1: [0, 2], 2: [0, 1]}
+    # o: alone at its width; dense: its bias is added after the matmul, as its code does; gate: another parent's
+    assert not any("siblings" in block.get_submodule(n).__dict__ for n in ("o_proj", "dense", "inner.gate"))
 
 
 def test_a_group_learns_who_is_called_on_the_tokens_the_first_one_got():
