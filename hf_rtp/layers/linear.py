@@ -57,33 +57,39 @@ class _RotatedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
-        ring, layout = ctx.ring, ctx.layout
-        x2 = x.reshape(-1, x.shape[-1])
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        gm = g2.to(x.dtype)  # what reaches the matmul: autograd casts a promoted sum's gradient back to its dtype
-        grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
-        wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        grad_x, landed = walk_backward(ctx, own_bundle(weight, bias), x, grad_out.reshape(-1, grad_out.shape[-1]))
+        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ctx.ring, (weight, bias))
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
-        def accumulate(rows, _chunk, acc):
-            start, end = rows
-            add_matmul(acc[0], gm[:, start:end].t(), x2)
-            if bias is not None:
-                acc[1].add_(g2[:, start:end].sum(0))
 
-        def input_grad(rows, chunk):
-            start, end = rows
-            assert grad_x is not None  # input_grad runs only when grad_x was made
-            grad_x.addmm_(gm[:, start:end], chunk[0].to(gm.dtype))
+def walk_backward(ctx, own: list[torch.Tensor], x: torch.Tensor, g2: torch.Tensor):
+    """Backward of `x @ W.T (+ b)` over the ring (ctx.ring, ctx.layout; `own`: this rank's weight and bias rows):
+    the input's gradient (None unless ctx.needs_input_grad[0]) and the summed weight and bias gradients that came
+    home (Ring.backward_walk; None unless some later input wants one), from `g2` [tokens, rows], the output's."""
+    x2 = x.reshape(-1, x.shape[-1])
+    gm = g2.to(x.dtype)  # what reaches the matmul: autograd casts a promoted sum's gradient back to its dtype
+    grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+    biased = len(own) > 1
 
-        landed = ring.backward_walk(
-            own_bundle(weight, bias),
-            layout,
-            accumulate if wants_weight_grad else None,
-            input_grad if grad_x is not None else None,
-            dtype=x.dtype,
-        )
-        grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
-        return (grad_x.view_as(x) if grad_x is not None else None), grad_weight, grad_bias, None, None, None, None
+    def accumulate(rows, _chunk, acc):
+        start, end = rows
+        add_matmul(acc[0], gm[:, start:end].t(), x2)
+        if biased:
+            acc[1].add_(g2[:, start:end].sum(0))
+
+    def input_grad(rows, chunk):
+        start, end = rows
+        assert grad_x is not None  # input_grad runs only when grad_x was made
+        grad_x.addmm_(gm[:, start:end], chunk[0].to(gm.dtype))
+
+    landed = ctx.ring.backward_walk(
+        own,
+        ctx.layout,
+        accumulate if any(ctx.needs_input_grad[1:]) else None,
+        input_grad if grad_x is not None else None,
+        dtype=x.dtype,
+    )
+    return (grad_x.view_as(x) if grad_x is not None else None), landed
 
 
 class RotatedLinear(nn.Linear):

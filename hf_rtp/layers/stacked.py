@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import StackedLayout
-from .common import add_matmul, finish_weight_grads, rotate_forward
+from .common import finish_weight_grads, rotate_forward
+from .linear import walk_backward
 
 _FIXED = 4  # the Function's inputs before the members' weights: x, ring, layout, columns
 
@@ -39,7 +40,7 @@ class _StackedLinearFn(torch.autograd.Function):
                 flat.index_select(1, cols).view(*x.shape[:-1], cols.numel()) for cols in columns
             )  # fmt: skip
         ctx.save_for_backward(x, *params)
-        ctx.ring, ctx.layout, ctx.columns, ctx.count, ctx.biased = ring, layout, columns, count, bool(biases)
+        ctx.ring, ctx.layout, ctx.columns, ctx.count = ring, layout, columns, count
         return outputs
 
     @staticmethod
@@ -47,33 +48,13 @@ class _StackedLinearFn(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         ring, layout, count = ctx.ring, ctx.layout, ctx.count
         weights, biases = params[:count], params[count:]
-        x2 = x.reshape(-1, x.shape[-1])
+        tokens = x.reshape(-1, x.shape[-1]).shape[0]
         like = next((g for g in grad_outs if g is not None), None)
-        g2 = x2.new_zeros(x2.shape[0], layout.rows, dtype=like.dtype if like is not None else x.dtype)
+        g2 = x.new_zeros(tokens, layout.rows, dtype=like.dtype if like is not None else x.dtype)
         for cols, g in zip(ctx.columns, grad_outs, strict=True):
             if g is not None:  # an output nothing used: no gradient, zeros
-                g2.index_copy_(1, cols, g.reshape(x2.shape[0], -1))
-        gm = g2.to(x.dtype)  # as layers/linear.py: what reaches the matmul
-        grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
-        wants_weight_grad = any(ctx.needs_input_grad[_FIXED:])
-
-        def accumulate(rows, _chunk, acc):
-            start, end = rows
-            add_matmul(acc[0], gm[:, start:end].t(), x2)
-            if biases:
-                acc[1].add_(g2[:, start:end].sum(0))
-
-        def input_grad(rows, chunk):
-            assert grad_x is not None  # input_grad runs only when grad_x was made
-            grad_x.addmm_(gm[:, rows[0] : rows[1]], chunk[0].to(gm.dtype))
-
-        landed = ring.backward_walk(
-            _own(weights, biases),
-            layout,
-            accumulate if wants_weight_grad else None,
-            input_grad if grad_x is not None else None,
-            dtype=x.dtype,
-        )
+                g2.index_copy_(1, cols, g.reshape(tokens, -1))
+        grad_x, landed = walk_backward(ctx, _own(weights, biases), x, g2)
         sizes = layout.own_sizes(ring.rank)
         split = [t.split(sizes) for t in landed] if landed is not None else None
         weight_grads, bias_grads = [], []
@@ -85,7 +66,7 @@ class _StackedLinearFn(torch.autograd.Function):
             weight_grads.append(grads[0])
             if biases:
                 bias_grads.append(grads[1])
-        return (grad_x.view_as(x) if grad_x is not None else None), None, None, None, *weight_grads, *bias_grads
+        return grad_x, None, None, None, *weight_grads, *bias_grads
 
 
 def _own(weights, biases) -> list[torch.Tensor]:
