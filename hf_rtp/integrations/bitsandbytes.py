@@ -217,14 +217,13 @@ def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config, s
             else RotatedLinear4bit(source, spec=spec)
         )
         model.set_submodule(name, kind)
-    # a swapped linear leaves its group: its parent's remaining linears are grouped again without it, or a float
-    # v_proj (llm_int8_skip_modules) would walk stacked with the packed bytes of a 4-bit q_proj and k_proj
+    # a swapped linear leaves its group: its parent's remaining linears are grouped again without it (a quantized
+    # one walks alone: layers/linear4bit.py's forward says why)
     for parent in {name.rpartition(".")[0] for name in chosen}:
         owner = model.get_submodule(parent)
         for child in owner.children():
             vars(child).pop("siblings", None)
-        for linear in (RotatedLinear, RotatedLinear4bit, RotatedLinear8bit):  # each kind stacks with its own
-            siblings.group(owner, linear)
+        siblings.group(owner, RotatedLinear)
     if config.load_in_8bit:
         model.is_loaded_in_8bit = True
     else:

@@ -168,30 +168,13 @@ class FrozenQuantizedLinear(RotatedLinear):
         raise NotImplementedError
 
     def rows_forward(self, x: torch.Tensor, piece: torch.Tensor, bias, layout: ChunkLayout) -> torch.Tensor:
-        """This layer's math on the ring for `piece` (this rank's rows of `layout`) and the whole `bias`: its own,
-        or its siblings' stacked with it (layers/siblings.py)."""
+        """This layer's math on the ring for `piece` (this rank's rows of `layout`) and the whole `bias`."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        siblings = self.__dict__.get("siblings")  # layers.siblings: q, k and v on the same tokens, walked stacked
-        if siblings is not None:
-            found = siblings.forward(self, x)
-            if found is not None:
-                return found
+        # never stacked with siblings (layers/siblings.py): a stacked piece would be a copy of the packed rows, kept
+        # for backward and made at every decode step, and the whole biases would lose their gradients
         return self.rows_forward(x, local(self.weight), self.bias, self.layout)
-
-    def stacked(self, modules: list, x: torch.Tensor, layout, columns: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every one of `modules`' outputs for `x` by one walk of their pieces stacked (layers/siblings.py): the
-        same Function over `layout` (distributed/sharding.py's StackedLayout), the whole biases in its rows'
-        order; each output is its columns of the stacked one, and their gradients reach the input through them."""
-        piece = torch.cat([local(m.weight) for m in modules])
-        bias = None
-        if self.bias is not None:
-            bias = self.bias.new_empty(layout.rows)
-            for m, cols in zip(modules, columns, strict=True):
-                bias[cols] = m.bias.detach()
-        out = self.rows_forward(x, piece, bias, layout)
-        return [out.index_select(-1, cols) for cols in columns]
 
     def dequantized_rows(self) -> torch.Tensor:
         """This rank's rows of the dequantized weight (no communication)."""
