@@ -6,11 +6,11 @@ Linears of one parent module with the same input width are siblings. Two ways:
   first one's token walk carries the tokens once for all of them (`_walk`), each output computed as the member's
   own walk would have: its own rows, F.linear, no stacked copy of the weights. Its members: those STACKED names;
   else those the group learnt from the calls it sees, the ones the model calls with the tensor the first one got
-  (the same memory, unchanged: token_walk.identities). Not for quantized members, whose pieces are bytes.
+  (the same memory, unchanged: token_walk.identities).
 - Otherwise (and where those tokens do not move), members named together in STACKED (q/k/v, gate/up) walk their
-  weights stacked (layers/stacked.py, or a quantized kind's own Function over their packed rows: one hop and one
-  matmul per chunk for all of them, forward and backward), in training, prefill and a gradient checkpoint's
-  recomputation alike, from the first forward on.
+  weights stacked (layers/stacked.py: one hop and one matmul per chunk for all of them, forward and backward), in
+  training, prefill and a gradient checkpoint's recomputation alike, from the first forward on. Quantized linears
+  (layers/linear4bit.py, linear8bit.py) are never grouped: each walks alone.
 Either way the first member called computes the others' outputs, which find theirs waiting for their input, or
 walk alone. What decides is the model's code path, the same on every rank, so every rank walks alike.
 """
@@ -31,7 +31,8 @@ from ..errors import RotatedStateError
 from .common import brought, cast_for_matmul, local, token_bound
 from .stacked import stacked_linear
 
-# Linears that read one tensor, by name, in every family the registered plans know: the members that walk stacked.
+# Linears that read one tensor, by name (Llama-like families' q/k/v and gate/up; BERT-like query/key/value, which only
+# plan="auto" reaches): the members that walk stacked.
 # Declared, not learnt, so that every forward walks alike: the first after a load as the thousandth (a stacked
 # matmul rounds at the ulp unlike each member's own, and a resumed run must repeat the run it resumes bit for bit),
 # and a gradient checkpoint's recomputation as the forward it recomputes. A member then called on other tokens
@@ -71,13 +72,17 @@ class Siblings:
         if index is None:
             self._waiting.clear()
             return None
+        if x.is_inference():  # no version counter to know the tokens by (torch.inference_mode): each walks alone
+            self._waiting.clear()
+            return None
         waiting = self._waiting.pop(index, None)
-        if waiting is not None and waiting[0].is_(x):
-            return waiting[1]
+        if waiting is not None:
+            if waiting[0].is_(x):
+                return waiting[1]
+            return None  # another member's walk computed this one for other tokens: it walks alone on these
         outputs: list[torch.Tensor] | None = None
         group: tuple[int, ...] = (index,)
-        # tokens may move: a decode step (not for quantized members, whose pieces are bytes, not F.linear's weights)
-        if not torch.is_grad_enabled() and member.ring.traffic is not None and not hasattr(member, "stacked"):
+        if not torch.is_grad_enabled() and member.ring.traffic is not None:  # tokens may move: a decode step
             self.observe(index, x)
             # those STACKED names, else those learnt: each computes its own rows, no stacked copy of the weights
             group = (index, *(self.stacked.get(index) or self.follow.get(index, [])))
@@ -88,15 +93,12 @@ class Siblings:
             if len(group) == 1:
                 return None
             outputs = self._stacked(group, [self.members[i] for i in group], x)
-            if outputs is None:
-                return None
         for i, out in zip(group[1:], outputs[1:], strict=True):
             self._waiting[i] = (_Seen(x), out)
         return outputs[0]
 
-    def _stacked(self, group: tuple[int, ...], modules: list, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The outputs of `modules` for `x` by one walk of their stacked weights (layers/stacked.py), or None: each
-        walks alone (quantized members of two kinds)."""
+    def _stacked(self, group: tuple[int, ...], modules: list, x: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of `modules` for `x` by one walk of their stacked weights (layers/stacked.py)."""
         layout = self._stacks.get(group)
         if layout is None:
             layout = self._stacks[group] = StackedLayout.of(tuple(m.layout for m in modules))
@@ -104,10 +106,6 @@ class Siblings:
         if columns is None:
             columns = [torch.tensor(layout.columns(m), device=x.device) for m in range(len(modules))]
             self._columns[(group, x.device)] = columns
-        if hasattr(modules[0], "stacked"):  # quantized (layers/linear4bit.py): its own Function, its pieces stacked
-            if len({(type(m), m.spec) for m in modules}) > 1:
-                return None
-            return modules[0].stacked(modules, x, layout, columns)
         x = cast_for_matmul(x)
         biases = [local(m.bias) for m in modules] if modules[0].bias is not None else None
         weights = [local(m.weight) for m in modules]
@@ -158,7 +156,7 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
     with torch.autocast(x.device.type, enabled=False):
         walked = ring.token_walk([weights[0][0]], modules[0].layout, [flat], [0.0], out, compute, bound, brought(ring))
     if walked is not None:
-        return None  # some rank brought more tokens than agreed: every rank walks each op alone
+        return None  # some rank brought more tokens than agreed: every rank walks them again, stacked or alone
     return [
         out[:, offset : offset + width].contiguous().view(*x.shape[:-1], width)
         for offset, width in zip(offsets, widths, strict=True)

@@ -36,9 +36,7 @@ class _StackedLinearFn(torch.autograd.Function):
             own = _own(weights, biases)
             flat = out.view(-1, layout.rows)
             rotate_forward(ring, own, layout, [x.reshape(-1, x.shape[-1])], [0.0], flat, compute, x.dtype)
-            outputs = tuple(
-                flat.index_select(1, cols).view(*x.shape[:-1], cols.numel()) for cols in columns
-            )  # fmt: skip
+            outputs = tuple(out.index_select(-1, cols) for cols in columns)  # new tensors, not views of `out`
         ctx.save_for_backward(x, *params)
         ctx.ring, ctx.layout, ctx.columns, ctx.count = ring, layout, columns, count
         return outputs
