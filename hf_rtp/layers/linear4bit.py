@@ -167,15 +167,6 @@ class FrozenQuantizedLinear(RotatedLinear):
         """A piece's rows of the weight as PEFT's `dequantize_bnb_weight` gives vanilla's whole weight (DoRA)."""
         raise NotImplementedError
 
-    def rows_forward(self, x: torch.Tensor, piece: torch.Tensor, bias, layout: ChunkLayout) -> torch.Tensor:
-        """This layer's math on the ring for `piece` (this rank's rows of `layout`) and the whole `bias`."""
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # never stacked with siblings (layers/siblings.py): a stacked piece would be a copy of the packed rows, kept
-        # for backward and made at every decode step, and the whole biases would lose their gradients
-        return self.rows_forward(x, local(self.weight), self.bias, self.layout)
-
     def dequantized_rows(self) -> torch.Tensor:
         """This rank's rows of the dequantized weight (no communication)."""
         piece = local(self.weight)
@@ -204,7 +195,7 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
         absmax = piece[:, data:].contiguous().view(torch.float32).view(-1)
         return packed, absmax
 
-    def rows_forward(self, x: torch.Tensor, piece: torch.Tensor, bias, layout: ChunkLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16), the output
         # back in the input's dtype
         dtype = x.dtype
@@ -213,8 +204,8 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
             compute = x.dtype
         if compute is not None:
             x = x.to(compute)
-        bias = None if bias is None else bias.to(x.dtype)
-        return _Rotated4bitFn.apply(x, piece, bias, self.ring, layout, self).to(dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _Rotated4bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self).to(dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -21,7 +21,7 @@ import torch
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
-from .common import rotate_forward
+from .common import local, rotate_forward
 from .linear4bit import FrozenQuantizedLinear, frozen_backward
 
 SCALE_BYTES = 4  # float32, one per row
@@ -115,10 +115,10 @@ class RotatedLinear8bit(FrozenQuantizedLinear):
         codes, scales = unpack8(piece, self.in_features)  # bitsandbytes' int8_vectorwise_dequant, as PEFT reads it
         return torch.ops.bitsandbytes.int8_vectorwise_dequant.default(codes, scales)
 
-    def rows_forward(self, x: torch.Tensor, piece: torch.Tensor, bias, layout: ChunkLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bitsandbytes' Linear8bitLt: the bias in the input's dtype, the output in the input's dtype
-        bias = None if bias is None else bias.to(x.dtype)
-        return _Rotated8bitFn.apply(x, piece, bias, self.ring, layout, self)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _Rotated8bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, threshold={self.threshold}"
