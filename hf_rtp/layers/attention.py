@@ -13,7 +13,8 @@ summed, as weight gradients do.
 
 Causality is decided per run of global positions (`_blocks`): a query sees the keys at its position
 and before. A query run against a key run splits into a part that sees the whole run, a square that
-is causal within itself (SDPA's `is_causal`, top-left aligned) and a part that sees none of it.
+is causal within itself (SDPA's `is_causal`, top-left aligned) and a part that sees none of it; neighbouring
+parts are then joined where their union is one such block, so a hop of whole chunks is one kernel call.
 
 Trust (`trust`): a kernel is used only after it has matched attention computed whole on this device. The first
 ring attention per (device, dtype, kernel, head sizes, GQA) of a process runs the kernel on a probe of a few hundred
@@ -73,7 +74,51 @@ def _blocks(queries: list[Interval], keys: list[Interval], starts: tuple[int, ..
             after = max(q0, k1)  # queries after the key run see all of it
             if q1 > after:
                 blocks.append(((q_row + after - q0, q_row + q_len), (k_row, k_row + k_len), False))
-    return blocks
+    return _fewer(blocks)
+
+
+def _fewer(blocks: list[Block]) -> list[Block]:
+    """The same mask in fewer kernel calls: neighbouring blocks whose union is one rectangle fully visible, or one
+    square causal within itself, become that block. On a rank's tokens cut as distributed.sequence cuts them (chunks
+    r and 2N-1-r), every hop of a whole block is one call: its own (a causal square over both chunks: the second
+    sees all of the first), a rank before it (all queries, its first chunk) and one after it (the second chunk of
+    queries, all keys). Each kernel call costs a launch, its log-sum-exp merge and, on the CPU, a pass of its own
+    over the queries."""
+    out: list[Block] = []
+    for block in blocks:
+        out.append(block)
+        while True:
+            if len(out) >= 3 and _causal_square(*out[-3:]):
+                (rows, keys, _), (last_rows, last_keys, _) = out[-3], out[-1]
+                out[-3:] = [((rows[0], last_rows[1]), (keys[0], last_keys[1]), True)]
+            elif len(out) >= 2 and (joined := _rectangle(out[-2], out[-1])) is not None:
+                out[-2:] = [joined]
+            else:
+                break
+    return out
+
+
+def _rectangle(a: Block, b: Block) -> Block | None:
+    """Two fully visible blocks side by side (the same keys, rows adjacent; or the same rows, keys adjacent)."""
+    (rows_a, keys_a, causal_a), (rows_b, keys_b, causal_b) = a, b
+    if causal_a or causal_b:
+        return None
+    if keys_a == keys_b and rows_a[1] == rows_b[0]:
+        return (rows_a[0], rows_b[1]), keys_a, False
+    if rows_a == rows_b and keys_a[1] == keys_b[0]:
+        return rows_a, (keys_a[0], keys_b[1]), False
+    return None
+
+
+def _causal_square(first: Block, middle: Block, last: Block) -> bool:
+    """A causal square, the rows after it seeing all of its keys, and a causal square of those rows with the keys
+    after it: together one causal square (row i of the whole sees its first i + 1 keys)."""
+    (rows_a, keys_a, causal_a), (rows_b, keys_b, causal_b), (rows_c, keys_c, causal_c) = first, middle, last
+    return (
+        causal_a and causal_c and not causal_b
+        and rows_a[1] - rows_a[0] == keys_a[1] - keys_a[0] and rows_c[1] - rows_c[0] == keys_c[1] - keys_c[0]
+        and keys_b == keys_a and rows_b == rows_c and rows_a[1] == rows_c[0] and keys_a[1] == keys_c[0]
+    )  # fmt: skip
 
 
 def _row_groups(docs: tuple[tuple[int, ...], ...] | None, device) -> list[tuple[tuple[int, ...], Any]]:

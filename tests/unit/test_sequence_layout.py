@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -63,6 +65,33 @@ def test_blocks_cover_the_causal_mask_exactly_once(queries, keys):
     seen = _covered(queries, keys, len(q_pos), len(k_pos))
     want = torch.tensor([[int(k_pos[k] <= q_pos[q]) for k in range(len(k_pos))] for q in range(len(q_pos))])
     assert torch.equal(seen, want)
+
+
+@pytest.mark.parametrize("length,size", [(16, 2), (17, 2), (64, 4), (13, 3), (5, 3), (30, 4)])
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_every_hop_of_whole_chunks_is_one_kernel_call_and_the_mask_exactly(length, size, pieces):
+    """Ring attention's calls per hop (issue 51): rank r's queries against each rank's keys, as the ring walks them
+    (`rows`, a hop per rank, or `pieces` per rank when K/V walk in pieces). A hop of whole chunks is one call; a piece
+    of a hop may take more, but every hop still covers the causal mask exactly once."""
+    layout = SequenceLayout(length, size)
+    rows = layout.rows((torch.Size((length, 1)),))
+    for rank in range(size):
+        queries = layout.intervals(rank)
+        for owner in range(size):
+            start, end = rows.bounds(owner)
+            cuts = [start + (end - start) * i // pieces for i in range(pieces + 1)]
+            seen, calls = torch.zeros(end - start, dtype=torch.int64), 0
+            for a, b in itertools.pairwise(cuts):
+                keys = [(row - a, pos, n) for row, pos, n in layout.global_intervals((a, b))]
+                q_pos, k_pos = _positions(queries), _positions(keys)
+                covered = _covered(queries, keys, len(q_pos), len(k_pos))
+                want = [[int(k_pos[k] <= q_pos[q]) for k in range(len(k_pos))] for q in range(len(q_pos))]
+                assert torch.equal(covered, torch.tensor(want).reshape(covered.shape))
+                calls += len(_blocks(queries, keys))
+                seen[a - start : b - start] += 1
+            assert seen.eq(1).all()
+            if pieces == 1:
+                assert calls == 1, (rank, owner, _blocks(queries, keys))
 
 
 def test_a_ring_of_one_is_sdpa_with_gqa_in_float64():
