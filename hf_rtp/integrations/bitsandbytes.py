@@ -217,13 +217,13 @@ def swap_modules(model: Any, chosen: dict[str, Quant4bit | Quant8bit], config, s
             else RotatedLinear4bit(source, spec=spec)
         )
         model.set_submodule(name, kind)
-    # a swapped linear leaves its group: its parent's remaining linears are grouped again without it (a quantized
-    # one walks alone: layers/linear4bit.py's forward says why)
+    # the parents of swapped linears are grouped again: float with float, each quantized kind with its own
+    # (layers/siblings.py: q/k/v's packed rows walk stacked, one skipped by llm_int8_skip_modules walks apart)
     for parent in {name.rpartition(".")[0] for name in chosen}:
         owner = model.get_submodule(parent)
         for child in owner.children():
             vars(child).pop("siblings", None)
-        siblings.group(owner, RotatedLinear)
+        siblings.group(owner, (RotatedLinear, RotatedLinear4bit, RotatedLinear8bit))
     if config.load_in_8bit:
         model.is_loaded_in_8bit = True
     else:

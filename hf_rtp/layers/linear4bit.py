@@ -78,9 +78,33 @@ def piece_of(packed: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed, absmax.contiguous().view(torch.uint8).view(packed.shape[0], -1)], dim=1)
 
 
+def joined(pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """This rank's piece of a walk: one layer's own, or its stacked siblings' in turn (layers/siblings.py; a copy,
+    made once per walk and again in backward, never saved)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def stacked_bias(modules: list, order: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The whole biases of `modules` (replicated, as vanilla holds them) in `dtype`, in the stacked rows' order
+    (`order`: the position in their concatenation of each stacked row; None: one module). Built by differentiable
+    ops, so a bias PEFT trains (bias="all") gets its gradient through the stack."""
+    if modules[0].bias is None:
+        return None
+    if order is None:
+        return local(modules[0].bias).to(dtype)
+    return torch.cat([local(m.bias).to(dtype) for m in modules]).index_select(0, order)
+
+
+def split_outputs(out: torch.Tensor, columns: list[torch.Tensor] | None, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each module's output in `dtype`: the whole of `out`, or each one's columns of the stacked output."""
+    if columns is None:
+        return [out.to(dtype)]
+    return [out.index_select(-1, cols).to(dtype) for cols in columns]
+
+
 class _Rotated4bitFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear4bit):
+    def forward(ctx, x, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear4bit, *pieces):
         out = x.new_empty(*x.shape[:-1], layout.rows)
 
         def compute(tokens, out, rows, chunk):
@@ -91,8 +115,9 @@ class _Rotated4bitFn(torch.autograd.Function):
                 module.spec.quant_type, bias=None if bias is None else bias[start:end],
             )  # fmt: skip
 
-        rotate_forward(ring, [piece], layout, [x.reshape(-1, x.shape[-1])], [0.0], out.view(-1, layout.rows), compute)
-        ctx.save_for_backward(piece)
+        own = [joined(pieces)]
+        rotate_forward(ring, own, layout, [x.reshape(-1, x.shape[-1])], [0.0], out.view(-1, layout.rows), compute)
+        ctx.save_for_backward(*pieces)
         ctx.ring, ctx.layout, ctx.module = ring, layout, module
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
@@ -105,21 +130,23 @@ class _Rotated4bitFn(torch.autograd.Function):
 def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
     """The backward of a frozen quantized linear on the ring (bitsandbytes' MatMul4Bit and MatMul8bit{Fp,Lt}): the
     bias's gradient, the sum over tokens in its dtype; the input's, `grad @ dequantized(rows, piece)` over the
-    walk, in `dtype`. No weight gradient exists or travels."""
-    (piece,) = ctx.saved_tensors
+    walk, in `dtype`. No weight gradient exists or travels. The Functions' inputs: x, bias, ring, layout, module,
+    then the pieces (one, or stacked siblings' in turn)."""
+    pieces = ctx.saved_tensors
+    rest = (None,) * (3 + len(pieces))
     grad_bias = None
-    if ctx.needs_input_grad[2]:
+    if ctx.needs_input_grad[1]:
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
     if not ctx.needs_input_grad[0]:
-        return None, None, grad_bias, None, None, None
+        return None, grad_bias, *rest
     grad_x = grad_out.new_zeros(*grad_out.shape[:-1], ctx.module.in_features, dtype=dtype)
 
     def input_grad(rows, chunk):
         weight = dequantized(rows, chunk[0]).to(dtype)
         grad_x.add_(torch.matmul(grad_out[..., rows[0] : rows[1]].to(dtype), weight))
 
-    ctx.ring.backward_walk([piece], ctx.layout, None, input_grad)
-    return grad_x, None, grad_bias, None, None, None
+    ctx.ring.backward_walk([joined(pieces)], ctx.layout, None, input_grad)
+    return grad_x, grad_bias, *rest
 
 
 class _DequantizedFn(torch.autograd.Function):
@@ -128,7 +155,7 @@ class _DequantizedFn(torch.autograd.Function):
     input (DoraLinearLayer.forward, `base_result=None`)."""
 
     @staticmethod
-    def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: FrozenQuantizedLinear):
+    def forward(ctx, x, bias, ring: Ring, layout: ChunkLayout, module: FrozenQuantizedLinear, piece):
         out = x.new_empty(*x.shape[:-1], layout.rows)
 
         def compute(tokens, out, rows, chunk):
@@ -167,6 +194,23 @@ class FrozenQuantizedLinear(RotatedLinear):
         """A piece's rows of the weight as PEFT's `dequantize_bnb_weight` gives vanilla's whole weight (DoRA)."""
         raise NotImplementedError
 
+    def walk_rows(
+        self, x: torch.Tensor, modules: list, layout: ChunkLayout, stack: tuple[list[torch.Tensor], torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """This layer's outputs for `x` by one walk: its own (`modules` [self], `layout` its own, `stack` None), or
+        every one of `modules`' (its siblings of one kind, layers/siblings.py) with their pieces stacked over
+        `layout` (distributed/sharding.py's StackedLayout; `stack`: each one's columns of it and the order of their
+        biases' rows): one hop and one bitsandbytes matmul per chunk for all of them."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        siblings = self.__dict__.get("siblings")  # layers.siblings: q, k and v on the same tokens, walked stacked
+        if siblings is not None:
+            found = siblings.forward(self, x)
+            if found is not None:
+                return found
+        return self.walk_rows(x, [self], self.layout, None)[0]
+
     def dequantized_rows(self) -> torch.Tensor:
         """This rank's rows of the dequantized weight (no communication)."""
         piece = local(self.weight)
@@ -174,7 +218,7 @@ class FrozenQuantizedLinear(RotatedLinear):
 
     def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         """`F.linear(x, dequantized weight)` without the bias, in x's dtype, over the ring (_DequantizedFn)."""
-        return _DequantizedFn.apply(x, local(self.weight), None, self.ring, self.layout, self)
+        return _DequantizedFn.apply(x, None, self.ring, self.layout, self, local(self.weight))
 
 
 class RotatedLinear4bit(FrozenQuantizedLinear):
@@ -195,17 +239,19 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
         absmax = piece[:, data:].contiguous().view(torch.float32).view(-1)
         return packed, absmax
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16), the output
-        # back in the input's dtype
+    def walk_rows(self, x, modules, layout, stack):
+        # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16), the bias in
+        # that dtype, the output back in the input's dtype
         dtype = x.dtype
         compute = self.spec.compute_dtype
         if compute is None and x.dtype in (torch.float32, torch.bfloat16):
             compute = x.dtype
         if compute is not None:
             x = x.to(compute)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return _Rotated4bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self).to(dtype)
+        columns, order = stack if stack is not None else (None, None)
+        bias = stacked_bias(modules, order, x.dtype)
+        out = _Rotated4bitFn.apply(x, bias, self.ring, layout, self, *(local(m.weight) for m in modules))
+        return split_outputs(out, columns, dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -22,7 +22,7 @@ import torch
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
 from .common import local, rotate_forward
-from .linear4bit import FrozenQuantizedLinear, frozen_backward
+from .linear4bit import FrozenQuantizedLinear, frozen_backward, joined, split_outputs, stacked_bias
 
 SCALE_BYTES = 4  # float32, one per row
 
@@ -55,7 +55,7 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
 
 class _Rotated8bitFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, piece, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear8bit):
+    def forward(ctx, x, bias, ring: Ring, layout: ChunkLayout, module: RotatedLinear8bit, *pieces):
         in_features, threshold = module.in_features, module.threshold
         flat = x.reshape(-1, in_features)
         out = x.new_empty(*x.shape[:-1], layout.rows)
@@ -86,8 +86,8 @@ class _Rotated8bitFn(torch.autograd.Function):
                 )
             out[:, start:end] = result.view(x_j.shape[0], end - start)
 
-        rotate_forward(ring, [piece], layout, [flat], [0.0], out.view(-1, layout.rows), compute)
-        ctx.save_for_backward(piece)
+        rotate_forward(ring, [joined(pieces)], layout, [flat], [0.0], out.view(-1, layout.rows), compute)
+        ctx.save_for_backward(*pieces)
         ctx.ring, ctx.layout, ctx.module = ring, layout, module
         ctx.dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         return out
@@ -115,10 +115,12 @@ class RotatedLinear8bit(FrozenQuantizedLinear):
         codes, scales = unpack8(piece, self.in_features)  # bitsandbytes' int8_vectorwise_dequant, as PEFT reads it
         return torch.ops.bitsandbytes.int8_vectorwise_dequant.default(codes, scales)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def walk_rows(self, x, modules, layout, stack):
         # bitsandbytes' Linear8bitLt: the bias in the input's dtype, the output in the input's dtype
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return _Rotated8bitFn.apply(x, local(self.weight), bias, self.ring, self.layout, self)
+        columns, order = stack if stack is not None else (None, None)
+        bias = stacked_bias(modules, order, x.dtype)
+        out = _Rotated8bitFn.apply(x, bias, self.ring, layout, self, *(local(m.weight) for m in modules))
+        return split_outputs(out, columns, x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, threshold={self.threshold}"

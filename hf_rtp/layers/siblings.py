@@ -9,8 +9,12 @@ Linears of one parent module with the same input width are siblings. Two ways:
   (the same memory, unchanged: token_walk.identities).
 - Otherwise (and where those tokens do not move), members named together in STACKED (q/k/v, gate/up) walk their
   weights stacked (layers/stacked.py: one hop and one matmul per chunk for all of them, forward and backward), in
-  training, prefill and a gradient checkpoint's recomputation alike, from the first forward on. Quantized linears
-  (layers/linear4bit.py, linear8bit.py) are never grouped: each walks alone.
+  training, prefill and a gradient checkpoint's recomputation alike, from the first forward on.
+Quantized linears (layers/linear4bit.py, linear8bit.py) group with their own kind only (one bitsandbytes setting):
+a STACKED set walks its packed rows stacked through that kind's own Function (`walk_rows`: one hop and one
+bitsandbytes matmul per chunk, the whole biases in the stacked rows' order, nothing but each member's own piece
+saved for backward), and where a forward's tokens move (a decode step) each member walks alone: their pieces are
+bytes, not F.linear's weights, and stacking them would copy them at every step.
 Either way the first member called computes the others' outputs, which find theirs waiting for their input, or
 walk alone. What decides is the model's code path, the same on every rank, so every rank walks alike.
 """
@@ -49,6 +53,8 @@ class Siblings:
         self.stacked = {i: [j for j in together if j != i] for together in stacked for i in together}
         self._stacks: dict[tuple[int, ...], StackedLayout] = {}  # the members walking together -> their layout
         self._columns: dict[tuple[tuple[int, ...], torch.device], list[torch.Tensor]] = {}
+        # quantized stacks: the position in the members' biases, end to end, of each stacked row
+        self._orders: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self.follow: dict[int, list[int]] = {}  # a member called first on some tokens -> those called on them next
         self._current: tuple[_Seen, int] | None = None  # the last tokens and who got them first
         self._waiting: dict[int, tuple[_Seen, torch.Tensor]] = {}  # a member -> (its input, its output)
@@ -82,7 +88,10 @@ class Siblings:
             return None  # another member's walk computed this one for other tokens: it walks alone on these
         outputs: list[torch.Tensor] | None = None
         group: tuple[int, ...] = (index,)
-        if not torch.is_grad_enabled() and member.ring.traffic is not None:  # tokens may move: a decode step
+        quantized = hasattr(member, "walk_rows")
+        if quantized and not torch.is_grad_enabled() and _tokens_move(self, index, x):
+            return None
+        if not quantized and not torch.is_grad_enabled() and member.ring.traffic is not None:  # a decode step?
             self.observe(index, x)
             # those STACKED names, else those learnt: each computes its own rows, no stacked copy of the weights
             group = (index, *(self.stacked.get(index) or self.follow.get(index, [])))
@@ -106,17 +115,23 @@ class Siblings:
         if columns is None:
             columns = [torch.tensor(layout.columns(m), device=x.device) for m in range(len(modules))]
             self._columns[(group, x.device)] = columns
-        x = cast_for_matmul(x)
-        biases = [local(m.bias) for m in modules] if modules[0].bias is not None else None
         weights = [local(m.weight) for m in modules]
-        if len({(w.dtype, w.device, w.shape[1:]) for w in weights}) > 1:  # a member changed since it was grouped
+        kinds = {(type(m), getattr(m, "spec", None), m.bias is None) for m in modules}
+        if len({(w.dtype, w.device, w.shape[1:]) for w in weights}) > 1 or len(kinds) > 1:  # changed since grouped
             raise RotatedStateError(
-                "linears grouped to walk stacked no longer share a dtype, device and input width: "
+                "linears grouped to walk stacked no longer share a kind, dtype, device and input width: "
                 + ", ".join(
                     f"{type(m).__name__} {tuple(w.shape)} {w.dtype}" for m, w in zip(modules, weights, strict=True)
                 )
-                + ". Replacing a rotated linear's weight after loading is not supported"
+                + ". Replacing a rotated linear or its weight after loading is not supported"
             )
+        if hasattr(modules[0], "walk_rows"):  # quantized: its kind's own Function over the stacked packed rows
+            order = self._orders.get((group, x.device))
+            if order is None:
+                order = self._orders[(group, x.device)] = torch.argsort(torch.cat(columns))
+            return modules[0].walk_rows(x, modules, layout, (columns, order))
+        x = cast_for_matmul(x)
+        biases = [local(m.bias) for m in modules] if modules[0].bias is not None else None
         return list(stacked_linear(x, modules[0].ring, layout, columns, weights, biases))
 
 
@@ -163,21 +178,37 @@ def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:
     ]
 
 
+def _tokens_move(siblings: Siblings, index: int, x: torch.Tensor) -> bool:
+    """Whether a forward without gradients would move the tokens for `index`'s stacked set (a decode step): its
+    quantized members then walk alone, each its own token walk, rather than copy their stacked pieces every step.
+    From numbers every rank agreed on (layers/common.py's token_bound), so every rank decides alike."""
+    modules = [siblings.members[i] for i in (index, *siblings.stacked.get(index, []))]
+    ring = modules[0].ring
+    if len(modules) == 1 or ring.traffic is None:
+        return False
+    weight_bytes = sum(math.prod(s) for m in modules for s in m.layout.global_shapes) // ring.size
+    flat = x.reshape(-1, x.shape[-1])
+    return token_bound(ring, weight_bytes, [flat], flat.new_empty(0, sum(m.out_features for m in modules))) is not None
+
+
 def _alike(members: list) -> bool:
-    """The same weights' dtype and row shape, all with a bias or none: what a stacked walk carries as one bundle. Not
-    float rows beside a quantized sibling's packed bytes, which a load holds in plain linears until
-    integrations/bitsandbytes.py swaps them (and groups again)."""
-    return len({(local(m.weight).dtype, local(m.weight).shape[1:], m.bias is None) for m in members}) == 1
+    """One kind (and for a quantized one, one bitsandbytes setting), the same weights' dtype and row shape, all with a
+    bias or none: what a stacked walk carries as one bundle. Not float rows beside a quantized sibling's packed
+    bytes, which a load holds in plain linears until integrations/bitsandbytes.py swaps them (and groups again)."""
+    return (
+        len({(type(m), getattr(m, "spec", None), local(m.weight).dtype, local(m.weight).shape[1:], m.bias is None)
+             for m in members}) == 1
+    )  # fmt: skip
 
 
-def group(parent: nn.Module, linear: Any) -> None:
-    """Make `parent`'s direct children of exactly `linear` with one input width (two or more) siblings; those named
-    together in STACKED, alike, walk stacked."""
-    by_width: dict[int, list[tuple[str, Any]]] = {}
+def group(parent: nn.Module, kinds: tuple[type, ...]) -> None:
+    """Make `parent`'s direct children of exactly one of `kinds` with one kind and input width (two or more)
+    siblings; those named together in STACKED, alike, walk stacked."""
+    by_width: dict[tuple[type, int], list[tuple[str, Any]]] = {}
     child: Any
     for name, child in parent.named_children():
-        if type(child) is linear and not child.bias_after_matmul:
-            by_width.setdefault(child.in_features, []).append((name, child))
+        if type(child) in kinds and not child.bias_after_matmul:
+            by_width.setdefault((type(child), child.in_features), []).append((name, child))
     for named in by_width.values():
         if len(named) < 2:
             continue

@@ -51,7 +51,7 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
     if rotate:
         parents = {name.rpartition(".")[0] for name, kind in resolution.rotated.items() if kind == "linear"}
         for parent in parents:
-            siblings.group(model.get_submodule(parent), RotatedLinear)
+            siblings.group(model.get_submodule(parent), (RotatedLinear,))
     outputs = getattr(model, "get_output_embeddings", None)
     head = outputs() if callable(outputs) else None
     if isinstance(head, RotatedLinear):

@@ -176,19 +176,21 @@ def _partly_quantized(ckpt):
     )
     attention = model.model.layers[0].self_attn
     kinds = [type(attention.get_submodule(n)).__name__ for n in ("q_proj", "k_proj", "v_proj")]
-    # every one walks alone: v and up, float, have no float sibling left; quantized linears are never grouped
+    # q and k, both 4-bit, walk stacked; v and up, float, have no float sibling left; gate has no 4-bit one
     mlp = model.model.layers[0].mlp
-    kinds += [n for n in ("q_proj", "k_proj", "v_proj") if "siblings" in vars(attention.get_submodule(n))]
-    kinds += [n for n in ("gate_proj", "up_proj") if "siblings" in vars(mlp.get_submodule(n))]
+    stacked = lambda module: bool(vars(module).get("siblings") and module.siblings.stacked)  # noqa: E731
+    kinds += [n for n in ("q_proj", "k_proj", "v_proj") if stacked(attention.get_submodule(n))]
+    kinds += [n for n in ("gate_proj", "up_proj") if stacked(mlp.get_submodule(n))]
     _, logits, losses, grads = beside_vanilla(model, vanilla)
     return kinds, logits, losses, grads
 
 
 def test_a_linear_the_skip_setting_keeps_in_float_walks_apart_from_its_quantized_siblings(tmp_path):
-    # q/k/v and gate/up walk stacked (layers/siblings.py): once q and k are 4-bit, v must not stack with their bytes
+    # q/k/v and gate/up walk stacked (layers/siblings.py): once q and k are 4-bit, v must not stack with their bytes,
+    # and q and k stack as 4-bit
     ckpt = make_tiny("llama", tmp_path / "ckpt", **WIDE)
     for rank, (kinds, logits, losses, grads) in enumerate(run_on_ranks(_partly_quantized, 2, ckpt)):
-        assert kinds == ["RotatedLinear4bit", "RotatedLinear4bit", "RotatedLinear"], kinds
+        assert kinds == ["RotatedLinear4bit", "RotatedLinear4bit", "RotatedLinear", "q_proj", "k_proj"], kinds
         assert logits < 1e-5, (rank, logits)
         assert abs(losses[0] - losses[1]) < 1e-5, (rank, losses)
         for name, (difference, scale) in grads.items():

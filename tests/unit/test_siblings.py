@@ -54,8 +54,8 @@ def _rotated(vanilla: _Block, ring: Ring) -> _Block:
     for name in LINEARS:
         source = block.get_submodule(name)
         block.set_submodule(name, RotatedLinear(source, ring=ring, weight=source.weight, bias=source.bias))
-    siblings.group(block, RotatedLinear)
-    siblings.group(block.inner, RotatedLinear)
+    siblings.group(block, (RotatedLinear,))
+    siblings.group(block.inner, (RotatedLinear,))
     return block
 
 
@@ -175,7 +175,7 @@ def _walks(declared: bool):
         rotated = RotatedLinear(source, ring=ring, **rows)
         ring.plan(rotated.layout, rows["weight"].to_local())  # as install reserves the weight slots
         block.set_submodule(name, rotated)
-    siblings.group(block, RotatedLinear)
+    siblings.group(block, (RotatedLinear,))
     if not declared:
         block.q_proj.siblings.stacked = {}
     found = []
