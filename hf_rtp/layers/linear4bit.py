@@ -203,6 +203,10 @@ class FrozenQuantizedLinear(RotatedLinear):
         biases' rows): one hop and one bitsandbytes matmul per chunk for all of them."""
         raise NotImplementedError
 
+    def walk_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as this kind's walk computes with it (layers/siblings.py decides by it, as the walk will)."""
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self.__dict__.get("siblings")  # layers.siblings: q, k and v on the same tokens, walked stacked
         if siblings is not None:
@@ -239,15 +243,17 @@ class RotatedLinear4bit(FrozenQuantizedLinear):
         absmax = piece[:, data:].contiguous().view(torch.float32).view(-1)
         return packed, absmax
 
-    def walk_rows(self, x, modules, layout, stack):
-        # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16), the bias in
-        # that dtype, the output back in the input's dtype
-        dtype = x.dtype
+    def walk_input(self, x: torch.Tensor) -> torch.Tensor:
+        # bitsandbytes' Linear4bit: the input in bnb_4bit_compute_dtype (or its own float32/bf16)
         compute = self.spec.compute_dtype
         if compute is None and x.dtype in (torch.float32, torch.bfloat16):
             compute = x.dtype
-        if compute is not None:
-            x = x.to(compute)
+        return x if compute is None else x.to(compute)
+
+    def walk_rows(self, x, modules, layout, stack):
+        # the bias in the compute dtype, the output back in the input's dtype
+        dtype = x.dtype
+        x = self.walk_input(x)
         columns, order = stack if stack is not None else (None, None)
         bias = stacked_bias(modules, order, x.dtype)
         out = _Rotated4bitFn.apply(x, bias, self.ring, layout, self, *(local(m.weight) for m in modules))

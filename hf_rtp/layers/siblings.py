@@ -187,7 +187,7 @@ def _tokens_move(siblings: Siblings, index: int, x: torch.Tensor) -> bool:
     if len(modules) == 1 or ring.traffic is None:
         return False
     weight_bytes = sum(math.prod(s) for m in modules for s in m.layout.global_shapes) // ring.size
-    flat = x.reshape(-1, x.shape[-1])
+    flat = modules[0].walk_input(x).reshape(-1, x.shape[-1])  # as the stacked walk would decide (4-bit: cast)
     return token_bound(ring, weight_bytes, [flat], flat.new_empty(0, sum(m.out_features for m in modules))) is not None
 
 
