@@ -14,6 +14,7 @@ from . import keywords, loader, plans
 from .binding import bind
 from .errors import KeywordError
 from .integrations import trainer as trainer_integration
+from .model import tiled_mlp as tiled_mlp_module
 from .model.fused_head import install_forward
 from .model.heads import is_causal_lm, model_class
 from .model.state import RTPState
@@ -39,6 +40,7 @@ def from_pretrained(
     auto_class=None,
     reduce_dtype: str | torch.dtype | None = None,
     rotation_moves: str = "auto",
+    tiled_mlp: bool | int | str = "auto",
     **kwargs,
 ) -> PreTrainedModel:
     """Load a checkpoint with its weights rotated across all ranks. Every rank calls it.
@@ -96,6 +98,14 @@ def from_pretrained(
             forwards whose ranks counted their tokens (text inputs), for tokens that fit the ring's two weight
             slots (moving tokens takes no memory of its own). Backward always moves weights. Every rank must
             pass the same value.
+        tiled_mlp: run each decoder layer's MLP over tiles of its tokens, so that at long sequences its
+            intermediate activations exist for one tile at a time, in forward and in backward (each tile under
+            torch.utils.checkpoint: one more forward of the MLP). "auto" (default): tiles of 8192 tokens where
+            an MLP's input holds more than 16384 (per rank: under context parallelism, its own); True: tiles of
+            8192 above 8192; an int: tiles of that many tokens; False: never. Blocks of experts
+            are left whole by "auto" and refused by name otherwise; an MLP whose dropout is active runs whole,
+            with a warning. The same outputs and gradients as untiled, up to the order of the weight
+            gradients' sums (model/tiled_mlp.py).
         kwargs: transformers' own keywords, with vanilla's meaning: `config=`, `subfolder`, `variant`,
             `use_safetensors`, `output_loading_info` (then a (model, info) pair is returned),
             `generation_config`, `torch_dtype`, `device_map` that puts the whole model on one device
@@ -107,7 +117,14 @@ def from_pretrained(
     """
     options = keywords.resolve(kwargs, dtype, device)
     settings = Settings.resolve(
-        options.device, timeout, rotation_piece_size, verify_weights, fused_loss, reduce_dtype, rotation_moves
+        options.device,
+        timeout,
+        rotation_piece_size,
+        verify_weights,
+        fused_loss,
+        reduce_dtype,
+        rotation_moves,
+        tiled_mlp,
     )
     topology = loader.start(settings, device_mesh, rtp_size)
     hub = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only)
@@ -123,6 +140,7 @@ def from_pretrained(
     bind(model, RTPState(topology, chosen, resolution, read.sources, spec), load=from_pretrained)
     if is_causal_lm(model):
         install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)
+    tiled_mlp_module.install(model, settings.tiled_mlp)
     return loader.loaded(model, chosen, resolution, read, options, topology)
 
 

@@ -119,6 +119,7 @@ def agree_on_checkpoint(
             verify=settings.verify_weights,
             model_class=auto_class.__name__,
             reduce_dtype=settings.reduce_dtype,
+            tiled_mlp=settings.tiled_mlp,  # tiled and whole MLPs walk the ring a different number of times
         ),
         topology.control,
     )

@@ -51,6 +51,9 @@ class Settings:
     rotation_moves: str = field(default="auto", metadata=_keyword("rotation_moves"))
     """what a rotated op moves around the ring in a forward: "auto" (whichever costs less: bytes and hops, the
     weight pieces or the tokens), "weights" or "activations" (distributed.traffic.Traffic)"""
+    tiled_mlp: bool | int | str = field(default="auto", metadata=_keyword("tiled_mlp"))
+    """whether decoder layers' MLPs run over tiles of their tokens: "auto", True, False or tokens per tile
+    (model/tiled_mlp.py)"""
 
     def load_spec(self, device_mesh: Any, rtp_size: int, plan: Any) -> LoadSpec:
         """How a model was loaded with these settings, on this grid with this plan (model.state.RTPState.spec)."""
@@ -66,7 +69,12 @@ class Settings:
         fused_loss: bool = True,
         reduce_dtype: str | torch.dtype | None = None,
         rotation_moves: str = "auto",
+        tiled_mlp: bool | int | str = "auto",
     ) -> Settings:
+        if not (tiled_mlp == "auto" or isinstance(tiled_mlp, bool) or (type(tiled_mlp) is int and tiled_mlp > 0)):
+            raise SettingError(
+                f'tiled_mlp must be "auto", True, False or a positive number of tokens per tile, got {tiled_mlp!r}'
+            )
         if rotation_moves not in MOVES:
             raise SettingError(f"rotation_moves must be one of {', '.join(map(repr, MOVES))}, got {rotation_moves!r}")
         if verify_weights not in VERIFY_MODES:
@@ -86,6 +94,7 @@ class Settings:
             fused_loss=bool(fused_loss),
             reduce_dtype=reduce_dtype,
             rotation_moves=rotation_moves,
+            tiled_mlp=tiled_mlp,
         )
 
 

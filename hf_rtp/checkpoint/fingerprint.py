@@ -60,6 +60,7 @@ def fingerprint(
     verify,
     model_class: str = "AutoModelForCausalLM",
     reduce_dtype=None,
+    tiled_mlp="auto",
 ) -> dict[str, str]:
     """`plan` as given to from_pretrained: a Plan (its rules count) or a name ("auto", a model_type)."""
     import transformers
@@ -86,6 +87,7 @@ def fingerprint(
         "verify_weights": verify,
         "model class": model_class,
         "reduce_dtype": str(reduce_dtype or dtype),  # gradients of another size on the wire would be read as garbage
+        "tiled_mlp": repr(tiled_mlp),
     }
 
 

@@ -372,6 +372,10 @@ class Ring:
         use of each of the two."""
         return self.pool.planned(like.device) * like.element_size()
 
+    most_tokens: int | None = None
+    """The most tokens any rank brought to the last forward (model/traffic.py; None where a rank's inputs were not
+    counted), kept after it, through its backward: what model/tiled_mlp.py cuts tiles by, on every rank alike."""
+
     brought: tuple[int, int] | None = None
     """What this rank's own forward brought, its tokens and its sequences, beside the `traffic` every rank agreed
     on (model/traffic.py; None outside a forward): token_walk's `brought`."""

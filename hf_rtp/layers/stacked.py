@@ -51,7 +51,7 @@ class _StackedLinearFn(torch.autograd.Function):
         g2 = x.new_zeros(tokens, layout.rows, dtype=like.dtype if like is not None else x.dtype)
         for cols, g in zip(ctx.columns, grad_outs, strict=True):
             if g is not None:  # an output nothing used: no gradient, zeros
-                g2.index_copy_(1, cols, g.reshape(tokens, -1))
+                g2.index_copy_(1, cols, g.reshape(tokens, g.shape[-1]))  # tokens may be 0 (an empty tile)
         grad_x, landed = walk_backward(ctx, _own(weights, biases), x, g2)
         sizes = layout.own_sizes(ring.rank)
         split = [t.split(sizes) for t in landed] if landed is not None else None

@@ -30,14 +30,16 @@ _TEXT_INPUTS = frozenset(
 _UNCOUNTED = -1
 
 
-def tokens_of(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """The tokens a backbone forward brings to its rotated ops and in how many sequences, or _UNCOUNTED twice."""
+def tokens_of(args: tuple, kwargs: dict, text_only: bool = False) -> tuple[int, int]:
+    """The tokens a backbone forward brings to its rotated ops and in how many sequences, or _UNCOUNTED twice.
+    `text_only`: its input_ids' (or inputs_embeds') tokens whatever else it is given (context parallelism's
+    shift_labels, images)."""
     given = dict(kwargs)
     if args:
         if len(args) > 1 or "input_ids" in given:
             return _UNCOUNTED, _UNCOUNTED
         given["input_ids"] = args[0]
-    if any(isinstance(v, torch.Tensor) and k not in _TEXT_INPUTS for k, v in given.items()):
+    if not text_only and any(isinstance(v, torch.Tensor) and k not in _TEXT_INPUTS for k, v in given.items()):
         return _UNCOUNTED, _UNCOUNTED
     ids, embeds = given.get("input_ids"), given.get("inputs_embeds")
     if isinstance(ids, torch.Tensor) and embeds is None:
@@ -49,27 +51,30 @@ def tokens_of(args: tuple, kwargs: dict) -> tuple[int, int]:
 
 def payload(ring: Ring, args: tuple, kwargs: dict) -> list[int]:
     """What this rank brings to the forward's meeting."""
-    return [*tokens_of(args, kwargs), int(torch.is_grad_enabled()), MOVES.index(ring.moves)]
+    text = tokens_of(args, kwargs, text_only=True)[0]
+    return [*tokens_of(args, kwargs), int(torch.is_grad_enabled()), MOVES.index(ring.moves), text]
 
 
 def agree(ring: Ring, everyone: list[list[int]]) -> None:
     """Set the ring's traffic for this forward from every rank's payload (the same on every rank)."""
-    moves = {MOVES[code] for *_, code in everyone}
+    moves = {MOVES[code] for _, _, _, code, _ in everyone}
     if len(moves) > 1:
         raise CollectiveMisuseError(
             "ranks passed different rotation_moves to from_pretrained: "
-            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (*_, code) in enumerate(everyone))
+            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (_, _, _, code, _) in enumerate(everyone))
             + ". Every rank must walk the ring the same way: pass one value on every rank."
         )
     counts = [tokens for tokens, *_ in everyone]
+    texts = [text for *_, text in everyone]
+    ring.most_tokens = None if _UNCOUNTED in texts else max(texts)  # kept through backward: not cleared below
     if _UNCOUNTED in counts or ring.moves == "weights":
         clear(ring)
         return
     ring.traffic = Traffic(
         bound=max(counts),
-        sequences=max(sequences for _, sequences, _, _ in everyone),
+        sequences=max(sequences for _, sequences, *_ in everyone),
         moves=ring.moves,
-        grad=any(grad for _, _, grad, _ in everyone),
+        grad=any(grad for _, _, grad, *_ in everyone),
     )
     # `everyone` is every rank of the world, in global rank order (rendezvous.enter): on a 2-D grid this ring's rank
     # is not this rank's place there

@@ -49,7 +49,8 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
 
     variant: "plain" (float64), "padded" (right padding, its labels -100, and its attention_mask), "packed"
     (documents packed in a row, position_ids restarting, rows packed differently: each attends within its own),
-    "lora" (PEFT adapters), "unfused" (fused_loss=False: each rank's logits),
+    "lora" (PEFT adapters), "unfused" (fused_loss=False: each rank's logits), "tiled" (each MLP over
+    tiles of 3 of the rank's tokens),
     "autocast" (float32 weights, bf16 autocast: bf16 partial outputs, so bf16-sized gaps), "qlora" (an NF4
     base from quantization_config with float32 LoRA adapters; vanilla on its training path)."""
     import torch.distributed as dist
@@ -57,7 +58,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
 
     import hf_rtp
 
-    dtype = torch.float64 if variant in ("plain", "padded", "packed", "lora", "unfused") else torch.float32
+    dtype = torch.float64 if variant in ("plain", "padded", "packed", "lora", "unfused", "tiled") else torch.float32
     options: dict = dict(dtype=dtype, attn_implementation="sdpa")
     if "mixtral" in ckpt:
         options["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
@@ -66,6 +67,8 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
 
         options["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
     extra = {"fused_loss": False} if variant == "unfused" else {}
+    if variant == "tiled":  # the MLPs over tiles of 3 of the rank's tokens (model/tiled_mlp.py)
+        extra = {"tiled_mlp": 3}
     model = hf_rtp.from_pretrained(ckpt, rotation_piece_size=piece, **extra, **options).train()
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = vanilla_training_path(AutoModelForCausalLM.from_pretrained(ckpt, **options)).train()
@@ -87,10 +90,16 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
         )
         batch["use_cache"] = False  # transformers separates packed documents only in a forward without a cache
     given = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+    tiles: list[int] = []  # "tiled": the first layer's down_proj, called once per tile
+    if variant == "tiled":
+        down = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj"))
+        down.register_forward_hook(lambda *_: tiles.append(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
         with hf_rtp.context_parallel(model, batch):
             assert batch["input_ids"].shape[1] < seq  # this rank's chunks, inside the block
             loss = model(**batch).loss
+            # 2 rows of the rank's 6 or 7 (5 or 4) tokens: every rank cuts as many tiles of 3 as the longest needs
+            assert variant != "tiled" or len(tiles) == -(-2 * -(-seq // world) // 3), (tiles, seq, world)
             loss.backward()
         ref_loss = ref(**given).loss
         ref_loss.backward()
@@ -139,6 +148,8 @@ def test_one_sequence_across_the_ring_is_vanillas(tmp_path, world, seq, checkpoi
         ("llama", 3, 10, "unfused", False),
         ("llama", 2, 13, "autocast", True),
         ("llama", 2, 11, "qlora", True),
+        ("llama", 2, 13, "tiled", True),
+        ("qwen2", 3, 14, "tiled", False),
         ("mixtral", 2, 9, "plain", False),
         ("qwen2", 3, 14, "plain", True),
         ("gpt2", 2, 11, "plain", False),

@@ -82,6 +82,7 @@ FROM_PRETRAINED = {
     "auto_class": None,
     "reduce_dtype": None,
     "rotation_moves": "auto",
+    "tiled_mlp": "auto",
     "kwargs": "**",
 }
 

@@ -25,15 +25,28 @@ def test_a_forwards_tokens_are_counted_from_its_text_inputs_only():
 
 def test_ranks_agree_on_the_most_tokens_and_sequences_and_any_gradient():
     ring = Ring(None)
-    traffic.agree(ring, [[21, 3, 0, 0], [8, 8, 1, 0]])
+    traffic.agree(ring, [[21, 3, 0, 0, 21], [8, 8, 1, 0, 8]])
     assert ring.traffic == Traffic(bound=21, sequences=8, moves="auto", grad=True)
-    traffic.agree(ring, [[21, 3, 0, 0], [-1, -1, 0, 0]])  # one rank cannot count its tokens: every rank moves weights
-    assert ring.traffic is None
+    assert ring.most_tokens == 21
+    # one rank cannot count its tokens: every rank moves weights; its text tokens still count (tiled_mlp)
+    traffic.agree(ring, [[21, 3, 0, 0, 21], [-1, -1, 0, 0, 30]])
+    assert ring.traffic is None and ring.most_tokens == 30
+    traffic.clear(ring)  # after the forward: kept through its backward
+    assert ring.most_tokens == 30
+    traffic.agree(ring, [[21, 3, 0, 0, 21], [-1, -1, 0, 0, -1]])
+    assert ring.most_tokens is None
     ring.moves = "weights"
-    traffic.agree(ring, [[1, 1, 0, 1], [1, 1, 0, 1]])
-    assert ring.traffic is None
+    traffic.agree(ring, [[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]])
+    assert ring.traffic is None and ring.most_tokens == 1
     with pytest.raises(CollectiveMisuseError, match="rank 0: 'auto', rank 1: 'weights'"):
-        traffic.agree(ring, [[1, 1, 0, 0], [1, 1, 0, 1]])
+        traffic.agree(ring, [[1, 1, 0, 0, 1], [1, 1, 0, 1, 1]])
+
+
+def test_the_text_tokens_count_beside_what_moves_cannot_count():
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    given = {"input_ids": ids, "shift_labels": ids}  # context parallelism's
+    assert traffic.tokens_of((), given) == (-1, -1)
+    assert traffic.tokens_of((), given, text_only=True) == (21, 3)
 
 
 @pytest.mark.parametrize(

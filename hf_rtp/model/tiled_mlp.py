@@ -1,0 +1,130 @@
+"""Tiled MLP (from_pretrained's `tiled_mlp`): a decoder layer's MLP run over tiles of its tokens, so that at long
+sequences its working set is a tile's, not the sequence's (Arctic Long Sequence Training's sequence tiling,
+arXiv 2506.13996).
+
+An MLP is token-wise: each token's output depends on that token's input only, so the MLP of a tile of tokens (rows
+of the input seen as [tokens, hidden]) is the MLP of those tokens. With gradients, each tile runs under
+torch.utils.checkpoint (non-reentrant): the forward keeps no intermediate activation, only the tile's input, a view
+of the layer's input which the untiled MLP keeps too; backward recomputes one tile at a time, so the MLP's
+intermediates (gate, up, their product: about 3 x tokens x intermediate_size) exist for one tile at once, in forward
+and in backward. The cost is one more forward of the MLP, as gradient checkpointing costs, and one walk of its
+rotated weights per tile: tiles are long (8192 tokens by default) so that each walk's hops hide behind a tile's
+matmuls.
+
+What is tiled: an `mlp` child of a model's module whose own children are linears (rotated, quantized, or wrapped
+by PEFT later), activations and dropouts only (Llama's, Qwen's, Mistral's, Gemma's, Phi-3's, GPT-2's). A block of
+experts with a router (Mixtral's, Qwen-MoE's) is not token-wise in what it returns (its router logits feed the
+auxiliary loss) and is refused by name when tiling is asked for, left whole under "auto". An MLP whose dropout is
+active (training, p > 0) runs whole, with a warning: per-tile masks would be other draws than vanilla's one.
+
+Exactness: every token's output is computed by the same ops on a tile of rows; the weights' gradients are summed
+over tiles, where vanilla sums over all tokens in one matmul (summation order only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import log
+from ..distributed.sharding import chunk_rows
+from ..errors import SettingError
+
+TILE = 8192
+"""tokens per tile by default: enough that a tile's matmuls hide its walk of the MLP's weights"""
+AUTO_FROM = 2 * TILE
+"""tiled_mlp="auto": tile an MLP whose input holds more tokens than this (per rank: under context parallelism, the
+rank's own)"""
+_PLAIN = (nn.Linear, nn.Dropout, nn.Identity)
+
+
+def _token_wise(module: nn.Module) -> bool:
+    """Whether `module`'s children are all linears, activations or dropouts (nothing that routes or mixes tokens)."""
+    from transformers.pytorch_utils import Conv1D
+
+    for child in module.children():
+        if isinstance(child, (*_PLAIN, Conv1D)):
+            continue
+        if type(child).__module__.startswith(("transformers.activations", "torch.nn.modules.activation")):
+            continue
+        return False
+    return next(module.children(), None) is not None
+
+
+def _dropping(module: nn.Module) -> bool:
+    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def install(model: nn.Module, setting: bool | int | str) -> int:
+    """Give every token-wise `mlp` of `model` the tiled forward per `setting` (from_pretrained's tiled_mlp): False
+    (never), "auto" (tiles of TILE tokens above AUTO_FROM), True (tiles of TILE tokens above one tile) or a positive
+    int (tiles of that many tokens). Returns how many MLPs were given it. Refuses by name, with `setting`
+    asked for explicitly, an `mlp` it cannot tile."""
+    if setting is False:
+        return 0
+    if setting == "auto":
+        tile, above = TILE, AUTO_FROM
+    elif setting is True:
+        tile, above = TILE, TILE
+    else:
+        tile = above = int(setting)
+    count, warned = 0, set[bool]()  # non-empty once this model warned about an MLP's dropout
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] != "mlp":
+            continue
+        if not _token_wise(module):
+            if setting != "auto":
+                raise SettingError(
+                    f"tiled_mlp={setting!r}: {name} ({type(module).__name__}) is not a token-wise MLP (it holds "
+                    f"{', '.join(sorted({type(c).__name__ for c in module.children()}))}): a block of experts "
+                    "routes its tokens and returns its router's logits, which tiling would cut. Pass "
+                    'tiled_mlp="auto" (which leaves such blocks whole) or False'
+                )
+            continue
+        ring = next((m.ring for m in module.modules() if getattr(m, "ring", None) is not None), None)
+        if ring is not None and ring.size == 1:
+            ring = None
+        tiled = functools.partial(_tiled, type(module).forward, tile, above, warned, ring)
+        module.forward = types.MethodType(tiled, module)
+        count += 1
+    return count
+
+
+def _tiled(plain, tile: int, above: int, warned: set, ring, self: nn.Module, x: Any, *args, **kwargs):
+    """The MLP's forward over tiles (rows of x as [tokens, hidden]: contiguous views, which every MLP's linears and
+    GPT-2's Conv1D take) when its tokens are more than `above`; else its own.
+
+    On a ring (`ring`: its rotated linears walk it) every tile is a walk every rank makes, so every rank cuts as many
+    tiles: by the most tokens any rank brought to the forward (Ring.most_tokens, agreed at its start and kept
+    through its backward, where a gradient checkpoint recomputes the layer), each rank's own tokens in that many
+    tiles of at most `tile` (a rank with fewer has shorter or empty ones). Where the forward's tokens were not
+    counted (images beside the text), no rank tiles."""
+    if args or kwargs or not torch.is_tensor(x) or x.dim() < 2:
+        return plain(self, x, *args, **kwargs)
+    tokens = x.shape[:-1].numel()
+    most = tokens if ring is None else ring.most_tokens
+    if most is None or most <= above:
+        return plain(self, x)
+    if _dropping(self):
+        if not warned:  # once per model
+            warned.add(True)
+            log.warning(
+                f"{type(self).__name__}: tiled_mlp runs this MLP whole while its dropout is active (training, p > "
+                "0): each tile would draw its own dropout mask, not vanilla's one over the whole input"
+            )
+        return plain(self, x)
+    flat, count = x.reshape(-1, x.shape[-1]), math.ceil(most / tile)
+    tiles = [flat[a:b] for a, b in (chunk_rows(tokens, count, i) for i in range(count))]
+    if torch.is_grad_enabled():
+        # one tile's intermediates at a time, in forward and in backward (the module docstring)
+        outs = [checkpoint(plain, self, t, use_reentrant=False) for t in tiles]
+    else:
+        outs = [plain(self, t) for t in tiles]
+    out = torch.cat(outs)
+    return out.view(*x.shape[:-1], out.shape[-1])

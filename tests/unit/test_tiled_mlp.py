@@ -1,0 +1,97 @@
+"""Tiled MLP (model/tiled_mlp.py) on vanilla transformers models in one process: the same outputs and gradients as the
+whole MLP, no [tokens, intermediate] activation kept for backward, and what it refuses or leaves whole, by name."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from support.models import VOCAB, tiny_config
+from transformers import AutoModelForCausalLM
+
+from hf_rtp.errors import SettingError
+from hf_rtp.model import tiled_mlp
+from hf_rtp.settings import Settings
+
+
+def _pair(arch: str, **overrides):
+    torch.manual_seed(0)
+    whole = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float64)
+    return whole, copy.deepcopy(whole)
+
+
+def _intermediates(model, ids) -> tuple[torch.Tensor, list[torch.Size]]:
+    """The loss, and the shapes of what autograd saves for backward in the forward that has it."""
+    shapes: list[torch.Size] = []
+
+    def pack(t):
+        shapes.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    return loss, shapes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_tiles_give_the_whole_mlps_outputs_and_gradients_and_keep_no_intermediate(arch):
+    whole, tiled = _pair(arch, resid_pdrop=0.0) if arch == "gpt2" else _pair(arch)
+    assert tiled_mlp.install(tiled, 4) == 2  # both layers' MLPs
+    wide = tiled.config.n_inner or 4 * tiled.config.n_embd if arch == "gpt2" else tiled.config.intermediate_size
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))  # 22 tokens: tiles of 4 and 2
+    losses = []
+    for model in (whole, tiled):
+        loss, shapes = _intermediates(model.train(), ids)
+        loss.backward()
+        losses.append(loss)
+        kept = [s for s in shapes if len(s) and s[-1] == wide and s.numel() >= 2 * 11 * wide]
+        assert bool(kept) == (model is whole), (arch, kept)  # [2, 11, intermediate]: kept only by the whole MLP
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-13, rtol=0)
+    for (name, p), q in zip(whole.named_parameters(), tiled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-13, rtol=1e-12, msg=name)
+
+
+def test_without_gradients_and_below_the_threshold_it_is_the_whole_mlp():
+    whole, tiled = _pair("llama")
+    tiled_mlp.install(tiled, 8)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(input_ids=ids).logits, whole(input_ids=ids).logits, atol=1e-13, rtol=0)
+        mlp = tiled.model.layers[0].mlp
+        x = torch.randn(2, 4, tiled.config.hidden_size, dtype=torch.float64)
+        assert torch.equal(mlp(x), type(mlp).forward(mlp, x))  # 8 tokens: one tile, the plain forward
+
+
+def test_auto_tiles_long_inputs_only_and_leaves_experts_whole_while_asked_tiling_refuses_them():
+    _, llama = _pair("llama")
+    assert tiled_mlp.install(llama, "auto") == 2
+    mlp = llama.model.layers[0].mlp
+    short = torch.randn(2, tiled_mlp.AUTO_FROM // 2, llama.config.hidden_size, dtype=torch.float64)
+    assert torch.equal(mlp(short), type(mlp).forward(mlp, short))
+    _, mixtral = _pair("mixtral")
+    assert tiled_mlp.install(mixtral, "auto") == 0
+    for setting in (True, 64):
+        with pytest.raises(SettingError, match=r"model.layers.0.mlp \(MixtralSparseMoeBlock\) is not a token-wise"):
+            tiled_mlp.install(copy.deepcopy(mixtral), setting)
+    assert tiled_mlp.install(mixtral, False) == 0
+
+
+def test_an_active_dropout_runs_the_mlp_whole_with_a_warning(caplog):
+    whole, tiled = _pair("gpt2", resid_pdrop=0.5)
+    tiled_mlp.install(tiled, 4)
+    ids = torch.randint(0, VOCAB, (2, 11))
+    outs = []
+    with caplog.at_level(logging.WARNING, logger="hf_rtp"):
+        for model in (whole, tiled):
+            torch.manual_seed(5)
+            outs.append(model.train()(input_ids=ids).logits)
+    assert torch.equal(outs[0], outs[1])  # vanilla's masks: the MLP ran whole
+    assert caplog.text.count("tiled_mlp runs this MLP whole while its dropout is active") == 1
+
+
+@pytest.mark.parametrize("bad", [0, -8, "yes", 2.5, None])
+def test_a_tiled_mlp_setting_that_means_nothing_is_refused_by_name(bad):
+    with pytest.raises(SettingError, match=r"tiled_mlp must be \"auto\", True, False or a positive number of tokens"):
+        Settings.resolve(tiled_mlp=bad)
