@@ -50,7 +50,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
     variant: "plain" (float64), "padded" (right padding, its labels -100, and its attention_mask), "packed"
     (documents packed in a row, position_ids restarting, rows packed differently: each attends within its own),
     "lora" (PEFT adapters), "unfused" (fused_loss=False: each rank's logits), "tiled" (each MLP over
-    tiles of 3 of the rank's tokens),
+    tiles of 3 of the rank's tokens; "qlora-tiled" on a QLoRA base, a rank's last tile empty),
     "autocast" (float32 weights, bf16 autocast: bf16 partial outputs, so bf16-sized gaps), "qlora" (an NF4
     base from quantization_config with float32 LoRA adapters; vanilla on its training path)."""
     import torch.distributed as dist
@@ -62,12 +62,12 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
     options: dict = dict(dtype=dtype, attn_implementation="sdpa")
     if "mixtral" in ckpt:
         options["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
-    if variant == "qlora":
+    if variant in ("qlora", "qlora-tiled"):
         from transformers import BitsAndBytesConfig
 
         options["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
     extra = {"fused_loss": False} if variant == "unfused" else {}
-    if variant == "tiled":  # the MLPs over tiles of 3 of the rank's tokens (model/tiled_mlp.py)
+    if variant in ("tiled", "qlora-tiled"):  # the MLPs over tiles of 3 of the rank's tokens (model/tiled_mlp.py)
         extra = {"tiled_mlp": 3}
     model = hf_rtp.from_pretrained(ckpt, rotation_piece_size=piece, **extra, **options).train()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -75,7 +75,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
     if checkpointing:
         model.gradient_checkpointing_enable()
         ref.gradient_checkpointing_enable()
-    if variant in ("lora", "qlora"):
+    if variant in ("lora", "qlora", "qlora-tiled"):
         model, ref = _lora(model), _lora(ref)
     optimizers = adamw(model, ref)
     batch = _batch(seq)
@@ -91,7 +91,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
         batch["use_cache"] = False  # transformers separates packed documents only in a forward without a cache
     given = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
     tiles: list[int] = []  # "tiled": the first layer's down_proj, called once per tile
-    if variant == "tiled":
+    if variant in ("tiled", "qlora-tiled"):
         down = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj"))
         down.register_forward_hook(lambda *_: tiles.append(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
@@ -99,7 +99,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
             assert batch["input_ids"].shape[1] < seq  # this rank's chunks, inside the block
             loss = model(**batch).loss
             # 2 rows of the rank's 6 or 7 (5 or 4) tokens: every rank cuts as many tiles of 3 as the longest needs
-            assert variant != "tiled" or len(tiles) == -(-2 * -(-seq // world) // 3), (tiles, seq, world)
+            assert "tiled" not in variant or len(tiles) == -(-2 * -(-seq // world) // 3), (tiles, seq, world)
             loss.backward()
         ref_loss = ref(**given).loss
         ref_loss.backward()
@@ -112,7 +112,7 @@ def _against_vanilla(ckpt, seq, checkpointing, piece="16MB", variant="plain"):
         assert all(gap <= 2e-3 + 5e-2 * scale for gap, scale in gaps.values()), gaps
         return loss.item()
     torch.testing.assert_close(loss, ref_loss, atol=1e-7, rtol=1e-6)  # the fused loss sums in float32
-    if variant == "qlora":
+    if variant in ("qlora", "qlora-tiled"):
         gaps = trainable_grad_gaps(model, ref)
         assert sum("lora_A" in n for n in gaps) == 10 and all(s > 0 for _, s in gaps.values())
         assert all(gap <= 1e-7 + 1e-5 * scale for gap, scale in gaps.values()), gaps
@@ -150,6 +150,7 @@ def test_one_sequence_across_the_ring_is_vanillas(tmp_path, world, seq, checkpoi
         ("llama", 2, 11, "qlora", True),
         ("llama", 2, 13, "tiled", True),
         ("qwen2", 3, 14, "tiled", False),
+        ("llama", 2, 13, "qlora-tiled", True),
         ("mixtral", 2, 9, "plain", False),
         ("qwen2", 3, 14, "plain", True),
         ("gpt2", 2, 11, "plain", False),
@@ -161,7 +162,7 @@ def test_the_configurations_beside_it(tmp_path, arch, world, seq, variant, check
     checkpointing, Mixtral's
     experts (router aux loss off: see the refusals), Qwen2's q/k/v biases, GPT-2's learned positions."""
     overrides = {"output_router_logits": False} if arch == "mixtral" else {}
-    if variant == "qlora":  # rows of 64 values: each rank's rows quantize as the whole weight does
+    if "qlora" in variant:  # rows of 64 values: each rank's rows quantize as the whole weight does
         overrides.update(hidden_size=64, intermediate_size=128, head_dim=16)
     ckpt = make_tiny(arch, tmp_path / arch, **overrides)
     losses = run_on_ranks(_against_vanilla, world, ckpt, seq, checkpointing, "16MB", variant)
