@@ -61,6 +61,20 @@ def _dropping(module: nn.Module) -> bool:
     return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
 
+def tile_for(setting: bool | int | str, tokens: int) -> int | None:
+    """Tokens per tile for an MLP input of `tokens` (on a ring, the most any rank brought) under `setting`, or None:
+    whole. The one rule, for the forward and for the estimate (tools/memory.py)."""
+    if setting is False:
+        return None
+    if setting == "auto":
+        tile, above = TILE, AUTO_FROM
+    elif setting is True:
+        tile, above = TILE, TILE
+    else:
+        tile = above = int(setting)
+    return tile if tokens > above else None
+
+
 def install(model: nn.Module, setting: bool | int | str) -> int:
     """Give every token-wise `mlp` of `model` the tiled forward per `setting` (from_pretrained's tiled_mlp): False
     (never), "auto" (tiles of TILE tokens above AUTO_FROM), True (tiles of TILE tokens above one tile) or a positive
@@ -68,12 +82,6 @@ def install(model: nn.Module, setting: bool | int | str) -> int:
     asked for explicitly, an `mlp` it cannot tile."""
     if setting is False:
         return 0
-    if setting == "auto":
-        tile, above = TILE, AUTO_FROM
-    elif setting is True:
-        tile, above = TILE, TILE
-    else:
-        tile = above = int(setting)
     count, warned = 0, set[bool]()  # non-empty once this model warned about an MLP's dropout
     for name, module in model.named_modules():
         if name.rpartition(".")[2] != "mlp":
@@ -90,26 +98,27 @@ def install(model: nn.Module, setting: bool | int | str) -> int:
         ring = next((m.ring for m in module.modules() if getattr(m, "ring", None) is not None), None)
         if ring is not None and ring.size == 1:
             ring = None
-        tiled = functools.partial(_tiled, type(module).forward, tile, above, warned, ring)
+        tiled = functools.partial(_tiled, type(module).forward, setting, warned, ring)
         module.forward = types.MethodType(tiled, module)
         count += 1
     return count
 
 
-def _tiled(plain, tile: int, above: int, warned: set, ring, self: nn.Module, x: Any, *args, **kwargs):
+def _tiled(plain, setting, warned: set, ring, self: nn.Module, x: Any, *args, **kwargs):
     """The MLP's forward over tiles (rows of x as [tokens, hidden]: contiguous views, which every MLP's linears and
-    GPT-2's Conv1D take) when its tokens are more than `above`; else its own.
+    GPT-2's Conv1D take) where `tile_for` says; else its own.
 
     On a ring (`ring`: its rotated linears walk it) every tile is a walk every rank makes, so every rank cuts as many
     tiles: by the most tokens any rank brought to the forward (Ring.most_tokens, agreed at its start and kept
     through its backward, where a gradient checkpoint recomputes the layer), each rank's own tokens in that many
-    tiles of at most `tile` (a rank with fewer has shorter or empty ones). Where the forward's tokens were not
+    tiles of at most a tile's tokens (a rank with fewer has shorter or empty ones). Where the forward's tokens were not
     counted (images beside the text), no rank tiles."""
     if args or kwargs or not torch.is_tensor(x) or x.dim() < 2:
         return plain(self, x, *args, **kwargs)
     tokens = x.shape[:-1].numel()
     most = tokens if ring is None else ring.most_tokens
-    if most is None or most <= above:
+    tile = None if most is None else tile_for(setting, most)
+    if tile is None:
         return plain(self, x)
     if _dropping(self):
         if not warned:  # once per model

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..layers.fused_loss import ACCELERATOR_BLOCK_BYTES, BLOCK_BYTES
+from ..model import tiled_mlp as tiled_mlp_module
 from ..private.transformers_names import attention_implementation, no_split_modules, set_attention_implementation
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
@@ -295,8 +296,12 @@ def estimate(
     rtp_size: int | None = None,
     autocast: bool = False,
     device: str = "cpu",
+    tiled_mlp: bool | int | str = "auto",
 ) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
+
+    `tiled_mlp`: from_pretrained's setting, for the RTP rows (model/tiled_mlp.py: "auto" tiles MLP inputs of more
+    than 16384 tokens per rank); the other strategies run their MLPs whole.
 
     `device`: "cpu" (the default: the terms `hf-rtp bench` measured on this project's CPU machine) or "cuda"
     (the fused loss's CUDA tile, and what a CUDA process holds beyond its tensors: `CUDA`). On CUDA each figure
@@ -340,11 +345,12 @@ def estimate(
     # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
     # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
     fused = (
-        _activations(model, batch, seq, False, gradient_checkpointing)
+        _activations(model, batch, seq, False, gradient_checkpointing, tiled_mlp)
         + batch * seq * (config.hidden_size * size + 8)
         + 3 * min(terms.loss_tile, batch * seq * math.ceil(config.vocab_size / ring) * 4)
     )
     single = peak(total, largest, saved)
+    unfused = _activations(model, batch, seq, True, gradient_checkpointing, tiled_mlp) if ring > 1 else saved
 
     def fsdp2(shards: int) -> float:
         # backward: the root unit (embeddings, head) and a decoder layer unsharded beside the local
@@ -368,14 +374,14 @@ def estimate(
         # slice of it coexist with the saved activations and all of its model states
         "tp": (2 + k) * tp_local * size + saved + logits * (1 + 1 / n) + terms.in_allocator,
         "rtp": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, fused, logits=0) + pool,
-        "rtp-unfused": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, saved) + pool,
+        "rtp-unfused": single if ring == 1 else peak(rtp_local * size, rtp_largest * size, unfused) + pool,
     }
     if ring > 1:
         result["rtp-cp"] = (
             peak(
                 rtp_local * size,
                 rtp_largest * size,
-                _context_parallel(model, batch, seq, ring, size, gradient_checkpointing, terms.loss_tile),
+                _context_parallel(model, batch, seq, ring, size, gradient_checkpointing, terms.loss_tile, tiled_mlp),
                 logits=0,
             )
             + pool
@@ -389,14 +395,21 @@ def estimate(
 
 
 def _context_parallel(
-    model: Any, batch: int, seq: int, ring: int, size: int, gradient_checkpointing: bool, tile: int
+    model: Any,
+    batch: int,
+    seq: int,
+    ring: int,
+    size: int,
+    gradient_checkpointing: bool,
+    tile: int,
+    tiled_mlp: bool | int | str = "auto",
 ) -> float:
     """The fused loss's activations when each rank holds 1/ring of every sequence (context parallelism): the
     ring attention keeps what a fused kernel keeps (q, k, v, output, log-sum-exp) for the rank's tokens."""
     local = math.ceil(seq / ring)
     config = model.config
     return (
-        _activations(model, batch, local, False, gradient_checkpointing)
+        _activations(model, batch, local, False, gradient_checkpointing, tiled_mlp)
         + batch * local * (config.hidden_size * size + 8)
         + 3 * min(tile, batch * local * math.ceil(config.vocab_size / ring) * 4)
     )
@@ -413,15 +426,39 @@ def _kv_slots(config, batch: int, seq: int, ring: int, size: int, weight_slot: i
     return slots * max(0, block - weight_slot) + 2 * max(0, block - grad_slot) + 2 * block
 
 
-def _activations(model: Any, batch: int, seq: int, labels: bool, gradient_checkpointing: bool) -> float:
+def _activations(
+    model: Any, batch: int, seq: int, labels: bool, gradient_checkpointing: bool, tiled_mlp: bool | int | str = False
+) -> float:
+    """What autograd holds at backward's peak for `batch` x `seq` tokens per rank. With `tiled_mlp` (from_pretrained's
+    setting, model/tiled_mlp.py's rule), MLPs it tiles keep no intermediate: one tile's exist at a time, in the
+    backward that recomputes it."""
     full = saved_activation_bytes(model, batch, seq, labels)
+    tile = tiled_mlp_module.tile_for(tiled_mlp, batch * seq)
+    working = 0.0
+    if tile is not None:
+        tiled = _tiled_trace(model, batch, seq, labels, tile)
+        layers = max(1, len(decoder_layers(model)))
+        working = (full - tiled) / (layers * batch * seq) * min(tile, batch * seq)  # one tile's MLP intermediates
+        full = tiled
     if not gradient_checkpointing:
-        return full
-    # Checkpointed layers keep only their input; backward recomputes one layer at a time.
+        return full + working
+    # Checkpointed layers keep only their input, which the trace sees (torch.utils.checkpoint saves a checkpointed
+    # call's inputs for backward through the saved-tensor hooks); backward recomputes one layer at a time.
     outside = saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=True)
     layers = max(1, len(decoder_layers(model)))
-    inputs = layers * batch * seq * model.config.hidden_size * next(model.parameters()).dtype.itemsize
-    return outside + inputs + (full - outside) / layers
+    return outside + (full - outside) / layers + working
+
+
+def _tiled_trace(model: Any, batch: int, seq: int, labels: bool, tile: int) -> int:
+    """saved_activation_bytes with the model's MLPs tiled (what each keeps then: its tiles' inputs, views of its
+    input), the model left as it was."""
+    tiled_mlp_module.install(model, tile)
+    try:
+        return saved_activation_bytes(model, batch, seq, labels)
+    finally:
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] == "mlp":
+                vars(module).pop("forward", None)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -456,6 +493,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
     p.add_argument(
+        "--tiled-mlp",
+        type=tiled_setting,
+        default="auto",
+        help="from_pretrained's tiled_mlp for the RTP rows: auto (default: tiles of 8192 tokens above 16384 per "
+        "rank), on, off, or tokens per tile",
+    )
+    p.add_argument(
         "--device",
         choices=sorted(DEVICES),
         default="cuda",
@@ -479,6 +523,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="QLoRA: a frozen NF4 base (double quantization), LoRA on every linear layer, AdamW on the adapters",
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA's r, with --load-in-4bit")
+
+
+def tiled_setting(text: str) -> bool | int | str:
+    """--tiled-mlp's text as from_pretrained's tiled_mlp (hf-rtp estimate, hf-rtp bench)."""
+    named: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+    if text in named:
+        return named[text]
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"auto, on, off or a positive number of tokens per tile, not {text!r}")
 
 
 def device_note(device: str) -> str:
@@ -514,6 +568,7 @@ def main(argv=None) -> dict[str, float]:
         rtp_size=args.rtp_size,
         autocast=args.autocast,
         device=args.device,
+        tiled_mlp=args.tiled_mlp,
     )
     states = model_states_bytes(config, args.dtype, args.optimizer)
     print(

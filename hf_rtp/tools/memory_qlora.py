@@ -19,8 +19,9 @@ has run, as PEFT's recipe runs it, bf16 in FSDP-QLoRA recipes. The strategies di
 
 Activations are the full fine-tuning ones (memory.py's meta forward): each LoRA layer keeps its input as
 a trained linear layer would. Checked against two measurements (tests/unit/test_memory_estimate.py):
-- PEFT's published FSDP-QLoRA run of Llama-2-70B on 2 GPUs, 35.6 GB per GPU: the FSDP2 estimate is 37.2 GB with
-  CUDA's terms (memory.CUDA: the CUDA context, NCCL's buffers, cuBLAS's workspaces; 36.2 GB without them);
+- PEFT's published FSDP-QLoRA run of Llama-2-70B on 2 GPUs, 35.6 GB per GPU: the FSDP2 estimate is 31.8 GB with
+  CUDA's terms (memory.CUDA: the CUDA context, NCCL's buffers, cuBLAS's workspaces; 30.9 GB without them), 11%
+  below it;
 - `hf-rtp bench --load-in-4bit` on the 90M preset at 2 and 4 ranks (host VmRSS, CPU): FSDP2 1.01x the measured
   peak, DDP 0.82x (its measured peak holds checkpoint pages vanilla's load leaves mapped), RTP 1.24-1.28x (its
   fixed per-step buffers, ~110 MB, are not all alive at once); the RTP estimate errs high.

@@ -43,6 +43,7 @@ def largest_batch(config, strategy: str, world_size: int, args) -> int:
             autocast=args.autocast,
             rtp_size=rtp_size,
             device=args.device,
+            tiled_mlp=memory.tiled_setting(args.tiled_mlp),
         )[key]
         if _measured_part(estimate, key, world_size, args, rtp_size) / 1e9 > args.budget_gb:
             break
@@ -57,6 +58,7 @@ def longest_sequence(config, strategy: str, world_size: int, args) -> int:
         estimate = memory.estimate(
             config, world_size, batch=1, seq=seq, dtype=args.dtype,
             gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast, device=args.device,
+            tiled_mlp=memory.tiled_setting(args.tiled_mlp),
         )[strategy]  # fmt: skip
         if _measured_part(estimate, strategy, world_size, args) / 1e9 > args.budget_gb:
             break

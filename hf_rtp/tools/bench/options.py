@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one strategy may take")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     p.add_argument(
+        "--tiled-mlp",
+        default="auto",
+        help="from_pretrained's tiled_mlp for the rtp strategies, and their estimates: auto (the default), on, off or "
+        "tokens per tile",
+    )
+    p.add_argument(
         "--rtp-size",
         type=int,
         help="also run RTP as rings of this many ranks (data parallel across "

@@ -44,6 +44,7 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     ]
     if args.gradient_checkpointing:
         worker_args.append("--gradient-checkpointing")
+    worker_args += ["--tiled-mlp", args.tiled_mlp]
     if args.autocast:
         worker_args.append("--autocast")
     if args.load_in_4bit:
@@ -347,11 +348,13 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
                 autocast=args.autocast,
                 rtp_size=args.rtp_size if grid else None,
                 device=args.device,
+                tiled_mlp=memory.tiled_setting(args.tiled_mlp),
             )
             if strategy == SAME_TOKENS:
                 estimates = memory.estimate(
                     config, n, batch=args.batch, seq=row["seq"], dtype=args.dtype,
                     gradient_checkpointing=args.gradient_checkpointing, autocast=args.autocast, device=args.device,
+                    tiled_mlp=memory.tiled_setting(args.tiled_mlp),
                 )  # fmt: skip
         key = "rtp-cp" if strategy == SAME_TOKENS else "rtp" if grid else strategy
         row["estimate_gb"] = estimates.get(key, float("nan")) / 1e9

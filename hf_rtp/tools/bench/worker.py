@@ -45,8 +45,9 @@ def load(
     gradient_checkpointing: bool = False,
     rtp_size: int | None = None,
     autocast: bool = False,
+    tiled_mlp: bool | int | str = "auto",
 ) -> Any:  # a transformers model, or DDP around one
-    model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast)
+    model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast, tiled_mlp)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -55,7 +56,13 @@ def load(
 
 
 def _load(
-    strategy: str, checkpoint: str, dtype: torch.dtype, device: torch.device, rtp_size: int | None, autocast: bool
+    strategy: str,
+    checkpoint: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    rtp_size: int | None,
+    autocast: bool,
+    tiled_mlp: bool | int | str = "auto",
 ) -> Any:  # a transformers model, or DDP around one
     from transformers import AutoModelForCausalLM
 
@@ -70,6 +77,7 @@ def _load(
             fused_loss=strategy in ("rtp", "rtp-2d", "rtp-cp"),
             rtp_size=rtp_size if strategy == "rtp-2d" else None,
             rotation_moves="weights" if strategy == "rtp-weights" else "auto",  # decode as before tokens could move
+            tiled_mlp=tiled_mlp,
         )
     if strategy == "tp":
         return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto")
@@ -185,6 +193,7 @@ def main(argv=None) -> None:
     p.add_argument("--backend", help="the process group's backend (default: nccl on cuda, gloo on cpu)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--tiled-mlp", default="auto", help="from_pretrained's tiled_mlp: auto, on, off or tokens per tile")
     p.add_argument("--rtp-size", type=int)
     p.add_argument("--autocast", action="store_true", help="bf16 autocast over the weights' dtype")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: a frozen NF4 base with LoRA adapters")
@@ -218,9 +227,12 @@ def main(argv=None) -> None:
     if args.load_in_4bit:
         model = load_qlora(args.strategy, args.checkpoint, dtype, device).train()
     else:
+        from ..memory import tiled_setting
+
         model = load(
-            args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size, args.autocast
-        ).train()
+            args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size, args.autocast,
+            tiled_setting(args.tiled_mlp),
+        ).train()  # fmt: skip
     marks["load_end"] = time.time()
     if args.generate:
         report = dict(
