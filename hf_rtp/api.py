@@ -14,6 +14,7 @@ from . import keywords, loader, plans
 from .binding import bind
 from .errors import KeywordError
 from .integrations import trainer as trainer_integration
+from .model import offload
 from .model import tiled_mlp as tiled_mlp_module
 from .model.fused_head import install_forward
 from .model.heads import is_causal_lm, model_class
@@ -141,6 +142,7 @@ def from_pretrained(
     if is_causal_lm(model):
         install_forward(model, fused=settings.fused_loss and topology.rtp_size > 1)
     tiled_mlp_module.install(model, settings.tiled_mlp)
+    offload.install(model, settings.device, topology.ring if topology.rtp_size > 1 else None)
     return loader.loaded(model, chosen, resolution, read, options, topology)
 
 

@@ -42,6 +42,7 @@ AUTO_FROM = 2 * TILE
 """tiled_mlp="auto": tile an MLP whose input holds more tokens than this (per rank: under context parallelism, the
 rank's own)"""
 _PLAIN = (nn.Linear, nn.Dropout, nn.Identity)
+_NOT_TOKEN_WISE = {"MultiheadAttention", "Softmax", "Softmin", "LogSoftmax", "Softmax2d"}  # torch "activations"
 
 
 def _token_wise(module: nn.Module) -> bool:
@@ -51,7 +52,9 @@ def _token_wise(module: nn.Module) -> bool:
     for child in module.children():
         if isinstance(child, (*_PLAIN, Conv1D)):
             continue
-        if type(child).__module__.startswith(("transformers.activations", "torch.nn.modules.activation")):
+        if type(child).__module__.startswith(("transformers.activations", "torch.nn.modules.activation")) and (
+            type(child).__name__ not in _NOT_TOKEN_WISE
+        ):
             continue
         return False
     return next(module.children(), None) is not None
@@ -59,6 +62,27 @@ def _token_wise(module: nn.Module) -> bool:
 
 def _dropping(module: nn.Module) -> bool:
     return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def pinned(func, ring):
+    """`func` (a model's `_gradient_checkpointing_func`) with the ring's most_tokens, as the layer's forward saw it,
+    put back while that forward is recomputed in backward: another forward between the two (a batch of another
+    length, an evaluation, generate) has replaced it since, and a recomputation that cut other tiles than its forward
+    would save other tensors (non-reentrant checkpoint fails on it) or walk otherwise than it did."""
+
+    def call(function, *args, **kwargs):
+        most = ring.most_tokens
+
+        def run(*inner, **named):
+            now, ring.most_tokens = ring.most_tokens, most
+            try:
+                return function(*inner, **named)
+            finally:
+                ring.most_tokens = now
+
+        return func(run, *args, **kwargs)
+
+    return call
 
 
 def tile_for(setting: bool | int | str, tokens: int) -> int | None:

@@ -297,8 +297,12 @@ def estimate(
     autocast: bool = False,
     device: str = "cpu",
     tiled_mlp: bool | int | str = "auto",
+    checkpoint_offload: bool = False,
 ) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
+
+    `checkpoint_offload` (with `gradient_checkpointing`): the RTP rows with model/offload.py's offload, each
+    checkpointed layer's input in host memory (`checkpointed_inputs` per rank) but the one being recomputed.
 
     `tiled_mlp`: from_pretrained's setting, for the RTP rows (model/tiled_mlp.py: "auto" tiles MLP inputs of more
     than 16384 tokens per rank); the other strategies run their MLPs whole.
@@ -345,12 +349,16 @@ def estimate(
     # The fused loss keeps the backbone's activations, a copy of the head's input, two floats per
     # token and a few [token block, piece rows] float32 blocks while it runs: no logits at all.
     fused = (
-        _activations(model, batch, seq, False, gradient_checkpointing, tiled_mlp)
+        _activations(model, batch, seq, False, gradient_checkpointing, tiled_mlp, checkpoint_offload)
         + batch * seq * (config.hidden_size * size + 8)
         + 3 * min(terms.loss_tile, batch * seq * math.ceil(config.vocab_size / ring) * 4)
     )
     single = peak(total, largest, saved)
-    unfused = _activations(model, batch, seq, True, gradient_checkpointing, tiled_mlp) if ring > 1 else saved
+    unfused = (
+        _activations(model, batch, seq, True, gradient_checkpointing, tiled_mlp, checkpoint_offload)
+        if ring > 1
+        else saved
+    )
 
     def fsdp2(shards: int) -> float:
         # backward: the root unit (embeddings, head) and a decoder layer unsharded beside the local
@@ -381,7 +389,17 @@ def estimate(
             peak(
                 rtp_local * size,
                 rtp_largest * size,
-                _context_parallel(model, batch, seq, ring, size, gradient_checkpointing, terms.loss_tile, tiled_mlp),
+                _context_parallel(
+                    model,
+                    batch,
+                    seq,
+                    ring,
+                    size,
+                    gradient_checkpointing,
+                    terms.loss_tile,
+                    tiled_mlp,
+                    checkpoint_offload,
+                ),
                 logits=0,
             )
             + pool
@@ -403,13 +421,14 @@ def _context_parallel(
     gradient_checkpointing: bool,
     tile: int,
     tiled_mlp: bool | int | str = "auto",
+    offload: bool = False,
 ) -> float:
     """The fused loss's activations when each rank holds 1/ring of every sequence (context parallelism): the
     ring attention keeps what a fused kernel keeps (q, k, v, output, log-sum-exp) for the rank's tokens."""
     local = math.ceil(seq / ring)
     config = model.config
     return (
-        _activations(model, batch, local, False, gradient_checkpointing, tiled_mlp)
+        _activations(model, batch, local, False, gradient_checkpointing, tiled_mlp, offload)
         + batch * local * (config.hidden_size * size + 8)
         + 3 * min(tile, batch * local * math.ceil(config.vocab_size / ring) * 4)
     )
@@ -426,12 +445,26 @@ def _kv_slots(config, batch: int, seq: int, ring: int, size: int, weight_slot: i
     return slots * max(0, block - weight_slot) + 2 * max(0, block - grad_slot) + 2 * block
 
 
+def checkpointed_inputs(model: Any, batch: int, seq: int) -> int:
+    """Bytes of the decoder layers' inputs gradient checkpointing keeps for backward: what checkpoint offload
+    (model/offload.py) holds in host memory instead."""
+    layers = len(decoder_layers(model))
+    return layers * batch * seq * model.config.hidden_size * next(model.parameters()).dtype.itemsize
+
+
 def _activations(
-    model: Any, batch: int, seq: int, labels: bool, gradient_checkpointing: bool, tiled_mlp: bool | int | str = False
+    model: Any,
+    batch: int,
+    seq: int,
+    labels: bool,
+    gradient_checkpointing: bool,
+    tiled_mlp: bool | int | str = False,
+    offload: bool = False,
 ) -> float:
     """What autograd holds at backward's peak for `batch` x `seq` tokens per rank. With `tiled_mlp` (from_pretrained's
     setting, model/tiled_mlp.py's rule), MLPs it tiles keep no intermediate: one tile's exist at a time, in the
-    backward that recomputes it."""
+    backward that recomputes it. With `offload` (and checkpointing), the layers' inputs are in host memory, but the
+    one a recomputation has fetched back."""
     full = saved_activation_bytes(model, batch, seq, labels)
     tile = tiled_mlp_module.tile_for(tiled_mlp, batch * seq)
     working = 0.0
@@ -446,7 +479,8 @@ def _activations(
     # call's inputs for backward through the saved-tensor hooks); backward recomputes one layer at a time.
     outside = saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=True)
     layers = max(1, len(decoder_layers(model)))
-    return outside + (full - outside) / layers + working
+    host = checkpointed_inputs(model, batch, seq) * (layers - 1) / layers if offload else 0.0
+    return outside - host + (full - outside) / layers + working
 
 
 def _tiled_trace(model: Any, batch: int, seq: int, labels: bool, tile: int) -> int:
@@ -492,6 +526,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sgd none (default adamw)",
     )
     p.add_argument("--gradient-checkpointing", action="store_true", help="decoder layers recomputed in backward")
+    p.add_argument(
+        "--checkpoint-offload",
+        action="store_true",
+        help="with --gradient-checkpointing: the RTP rows with activation_checkpointing_enable(offload=True), each "
+        "layer's checkpointed input in pinned host memory; prints the host memory a node of --gpus-per-node needs",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for --checkpoint-offload (default 8)")
     p.add_argument(
         "--tiled-mlp",
         type=tiled_setting,
@@ -554,6 +595,8 @@ def main(argv=None) -> dict[str, float]:
         raise SystemExit("--world-size must be at least 1")
     if args.load_in_4bit:
         raise SystemExit("--load-in-4bit: call hf_rtp.tools.memory_qlora.main (or hf-rtp estimate)")
+    if args.checkpoint_offload and not args.gradient_checkpointing:
+        raise SystemExit("--checkpoint-offload moves what gradient checkpointing keeps: add --gradient-checkpointing")
     if args.rtp_size is not None and (args.rtp_size < 1 or args.world_size % args.rtp_size):
         raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
     config = config_from(args)
@@ -569,6 +612,7 @@ def main(argv=None) -> dict[str, float]:
         autocast=args.autocast,
         device=args.device,
         tiled_mlp=args.tiled_mlp,
+        checkpoint_offload=args.checkpoint_offload,
     )
     states = model_states_bytes(config, args.dtype, args.optimizer)
     print(
@@ -586,4 +630,13 @@ def main(argv=None) -> dict[str, float]:
             "rtp-cp": f"   (context parallelism: a sequence cut across {args.rtp_size or args.world_size} ranks)",
         }.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
+    if args.checkpoint_offload:
+        model = _meta_model(config, _dtype(args.dtype))
+        ring = args.rtp_size or args.world_size
+        per_node = min(args.gpus_per_node, args.world_size)
+        rtp, cp = (checkpointed_inputs(model, args.batch, s) for s in (args.seq, math.ceil(args.seq / ring)))
+        print(
+            f"  checkpoint offload, pinned host memory per node of {per_node} GPUs: {rtp * per_node / 1e9:.1f} GB "
+            f"for rtp, {cp * per_node / 1e9:.1f} GB for rtp-cp (each rank's checkpointed layer inputs)"
+        )
     return result

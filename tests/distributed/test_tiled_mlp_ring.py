@@ -1,7 +1,8 @@
 """Tiled MLP (from_pretrained's tiled_mlp, model/tiled_mlp.py) on the ring, beside vanilla transformers on the same
 weights in float64: a training step's every gradient and AdamW's step, each rank's 18 tokens in tiles of 4 or 5
 (each tile a walk of the MLP's rotated weights, gate and up stacked), with gradient checkpointing around the layers
-(the tiles then run inside the layer's recomputation), at 3 ranks, with Qwen2's biases and LoRA on the MLP.
+(the tiles then run inside the layer's recomputation; transformers' offload switch on, which hf_rtp ignores on the
+CPU), at 3 ranks, with Qwen2's biases and LoRA on the MLP.
 Context parallelism with tiles: tests/distributed/test_context_parallel.py's "tiled" variant."""
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def _tiled_beside_vanilla(ckpt, tile, checkpointing, lora):
     model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE, plan=plan, tiled_mlp=tile)
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPE)
     tiled = sum("forward" in vars(m) for n, m in model.named_modules() if n.endswith(".mlp"))
-    if checkpointing:
-        for m in (model, ref):
-            m.gradient_checkpointing_enable()
+    if checkpointing:  # hf_rtp's with transformers' offload switch, which it ignores on the CPU (model/offload.py)
+        model.activation_checkpointing_enable(offload=True)
+        ref.gradient_checkpointing_enable()
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -80,3 +81,38 @@ def test_a_tiled_mlp_trains_as_vanillas_whole_one(tmp_path, case):
         assert tiled == 2, tiled  # both layers' MLPs
     # every rank walked the same hops (ranks that tiled differently would have met in other walks and failed)
     assert len({exchanges for _, exchanges in results}) == 1
+
+
+def _forwards_between(ckpt, reentrant):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.model.state import state_of
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE, tiled_mlp=4)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPE)
+    for m in (model, ref):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+    ring = state_of(model).topology.ring
+    long, short = global_batch(ring.size, seq=9), global_batch(ring.size, seq=1, seed=2)  # 18 and 2 tokens a rank
+    with torch.no_grad():
+        model(input_ids=short[rank])  # an evaluation between them too
+    losses = [model(input_ids=b[rank], labels=b[rank]).loss for b in (long, short)]
+    with torch.no_grad():
+        model(input_ids=short[rank])
+    sum(losses).backward()  # the long forward's layers recompute after two other forwards met
+    hf_rtp.sync_grads(model)
+    ref_loss = sum(ref(input_ids=b[r], labels=b[r]).loss for b in (long, short) for r in range(ring.size))
+    (ref_loss / ring.size).backward()
+    assert_matches(model, ref, ring.size, rank, "grad")
+    return True
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_layer_recomputes_with_its_own_forwards_tiles_after_other_forwards(tmp_path, reentrant):
+    """Two forwards of other lengths before one backward, and evaluations between them, under layer checkpointing:
+    each layer recomputes with the tiles its forward cut (tiled_mlp.pinned); non-reentrant checkpoint failed on it."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert run_on_ranks(_forwards_between, 2, ckpt, reentrant) == [True, True]
