@@ -302,7 +302,8 @@ def estimate(
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
 
     `checkpoint_offload` (with `gradient_checkpointing`): the RTP rows with model/offload.py's offload, each
-    checkpointed layer's input in host memory (`checkpointed_inputs` per rank) but the one being recomputed.
+    checkpointed layer's input in host memory (`checkpointed_inputs` per rank) but two: the one being recomputed and
+    the one coming back meanwhile.
 
     `tiled_mlp`: from_pretrained's setting, for the RTP rows (model/tiled_mlp.py: "auto" tiles MLP inputs of more
     than 16384 tokens per rank); the other strategies run their MLPs whole.
@@ -464,7 +465,7 @@ def _activations(
     """What autograd holds at backward's peak for `batch` x `seq` tokens per rank. With `tiled_mlp` (from_pretrained's
     setting, model/tiled_mlp.py's rule), MLPs it tiles keep no intermediate: one tile's exist at a time, in the
     backward that recomputes it. With `offload` (and checkpointing), the layers' inputs are in host memory, but the
-    one a recomputation has fetched back."""
+    one a recomputation has fetched back and the one model/offload.py fetches meanwhile."""
     full = saved_activation_bytes(model, batch, seq, labels)
     tile = tiled_mlp_module.tile_for(tiled_mlp, batch * seq)
     working = 0.0
@@ -479,7 +480,8 @@ def _activations(
     # call's inputs for backward through the saved-tensor hooks); backward recomputes one layer at a time.
     outside = saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=True)
     layers = max(1, len(decoder_layers(model)))
-    host = checkpointed_inputs(model, batch, seq) * (layers - 1) / layers if offload else 0.0
+    # on the device meanwhile: the input of the layer recomputing and of the one before it, coming back
+    host = checkpointed_inputs(model, batch, seq) * max(layers - 2, 0) / layers if offload else 0.0
     return outside - host + (full - outside) / layers + working
 
 

@@ -168,6 +168,11 @@ def main(argv=None) -> dict[str, float]:
         raise SystemExit("--world-size must be at least 1")
     if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:
         raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
+    if args.checkpoint_offload or args.tiled_mlp != "auto":
+        raise SystemExit(
+            "--load-in-4bit's estimate does not count --checkpoint-offload or --tiled-mlp yet (its MLPs whole, its "
+            "checkpointed inputs on the GPU): drop them, or estimate full fine-tuning without --load-in-4bit"
+        )
     if args.lora_rank < 1:
         raise SystemExit("--lora-rank must be at least 1")
     config = memory.config_from(args)

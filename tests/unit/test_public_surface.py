@@ -115,6 +115,7 @@ CLI = {
         "--long-sequence": False,
         "--hop-cost": False,
         "--budget-gb": None,
+        "--tiled-mlp": "auto",
     },
     "hf-rtp estimate": {
         "model": None,
@@ -125,6 +126,9 @@ CLI = {
         "--dtype": "float32",
         "--optimizer": "adamw",
         "--gradient-checkpointing": False,
+        "--checkpoint-offload": False,
+        "--gpus-per-node": 8,
+        "--tiled-mlp": "auto",
         "--autocast": False,
         "--attn-implementation": None,
         "--load-in-4bit": False,
