@@ -135,8 +135,8 @@ def _tiled(plain, setting, warned: set, ring, self: nn.Module, x: Any, *args, **
     On a ring (`ring`: its rotated linears walk it) every tile is a walk every rank makes, so every rank cuts as many
     tiles: by the most tokens any rank brought to the forward (Ring.most_tokens, agreed at its start and kept
     through its backward, where a gradient checkpoint recomputes the layer), each rank's own tokens in that many
-    tiles of at most a tile's tokens (a rank with fewer has shorter or empty ones). Where the forward's tokens were not
-    counted (images beside the text), no rank tiles."""
+    tiles of at most a tile's tokens (a rank with fewer has shorter or empty ones). Where a forward brought neither
+    input_ids nor inputs_embeds to count, no rank tiles."""
     if args or kwargs or not torch.is_tensor(x) or x.dim() < 2:
         return plain(self, x, *args, **kwargs)
     tokens = x.shape[:-1].numel()
