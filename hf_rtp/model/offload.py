@@ -34,11 +34,12 @@ nothing"""
 class _Held:
     """A saved tensor in pinned host memory: the copy, the event that says it is done, and its way back."""
 
-    __slots__ = ("__weakref__", "device", "event", "fetched", "host")
+    __slots__ = ("__weakref__", "device", "event", "fetched", "host", "ready")
 
     def __init__(self, host: torch.Tensor, event: Any, device: torch.device):
         self.host, self.event, self.device = host, event, device
         self.fetched: torch.Tensor | None = None
+        self.ready: Any = None  # recorded on the side stream once `fetched` is on the device
 
 
 class HostOffload:
@@ -70,6 +71,8 @@ class HostOffload:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(held.event)
                 held.fetched = held.host.to(held.device, non_blocking=True)
+                held.ready = torch.cuda.Event()
+                held.ready.record(self.stream)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -82,7 +85,7 @@ class HostOffload:
             if before is not None:  # the layer before it recomputes next in backward: its input comes back meanwhile
                 self._fetch(before)
         current = torch.cuda.current_stream(packed.device)
-        current.wait_stream(self.stream)
+        current.wait_event(packed.ready)  # this tensor's copy only: the prefetch just posted stays in flight
         tensor = packed.fetched
         assert tensor is not None  # fetched above
         tensor.record_stream(current)
