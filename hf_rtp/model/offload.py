@@ -8,9 +8,9 @@ switch and its meaning and moves the copies off that stream (`HostOffload`): eac
 a side stream as soon as the layer's forward has it, and comes back on that stream while the backward of the layer
 after it runs (each unpack fetches the one packed before it), so the copies overlap compute by construction.
 
-On the CPU the activations are in host memory already, and torch has no pinned allocator there (transformers'
-`offload=True` fails with "pin_memory=True requires a CUDA or other accelerator backend"): hf_rtp ignores the
-switch there, saying so, and checkpoints as without it.
+On the CPU the activations are in host memory already (and a CPU-only torch has no pinned allocator: there
+transformers' `offload=True` fails with "pin_memory=True requires a CUDA or other accelerator backend"): hf_rtp
+ignores the switch there, saying so, and checkpoints as without it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Checkpoint offload (model/offload.py): transformers' `activation_checkpointing_enable(offload=True)` on a model
 hf_rtp loaded. On the CPU it is ignored, by name, and training is checkpointing's without it (vanilla's own offload
-fails there: torch has no pinned allocator without an accelerator). The CUDA path: tests/gpu/test_offload_cuda.py."""
+fails there under a CPU-only torch, which has no pinned allocator; a CUDA build pins host memory even without a
+GPU). The CUDA path: tests/gpu/test_offload_cuda.py."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def test_offload_on_the_cpu_is_ignored_by_name_and_trains_as_checkpointing(call,
 
 def test_vanillas_own_offload_fails_on_this_cpu_which_is_why_it_is_ignored():
     model, _ = _pair()
-    if torch.cuda.is_available() or torch.accelerator.is_available():
-        pytest.skip("an accelerator is present: vanilla's offload has a pinned allocator here")
+    if torch.version.cuda is not None or torch.accelerator.is_available():
+        # torch 2.14.1's CUDA build on this CPU machine pins host memory without a GPU: vanilla's offload runs there
+        pytest.skip("a CUDA build of torch or an accelerator: vanilla's offload has a pinned allocator here")
     model.activation_checkpointing_enable(offload=True)
     ids = torch.randint(0, VOCAB, (2, 11))
     with pytest.raises(RuntimeError, match="pin_memory=True requires a CUDA"):
