@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..memory import STRATEGIES
+from ..memory import STRATEGIES, tiled_setting
 from .presets import PRESETS
 
 # This module is `hf-rtp bench`'s options and help, kept apart from run.py: run.py imports the bench's
@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tiled-mlp",
         default="auto",
+        type=lambda text: tiled_setting(text) is not None and text,  # refused here, not in a rank: kept as text
         help="from_pretrained's tiled_mlp for the rtp strategies, and their estimates: auto (the default), on, off or "
         "tokens per tile",
     )
