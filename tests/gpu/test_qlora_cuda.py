@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import op_trace
 import pytest
 import torch
 from gpu_world import NO_CUDA, join_world
@@ -86,12 +87,17 @@ def _same_weights(model, vanilla, rank: int, world: int) -> dict[str, tuple[bool
 
 
 def _qlora_beside_vanilla(ckpt):
+    device = join_world()
+    with op_trace.from_env():  # bitsandbytes' calls and their arguments, where .ci/gpu asks (a crash's diagnosis)
+        return _steps(ckpt, device)
+
+
+def _steps(ckpt, device):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
 
-    device = join_world()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, device=device, quantization_config=_quantization())
     vanilla = AutoModelForCausalLM.from_pretrained(
