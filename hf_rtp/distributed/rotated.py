@@ -40,7 +40,7 @@ from ..private.torch_names import (
     overload,
     set_implicit_replication,
 )
-from . import blockwise, rendezvous
+from . import blockwise, rendezvous, transport
 from .sharding import chunk_rows
 
 _PICKLE_REFUSED = (
@@ -80,6 +80,9 @@ class RotationMesh(DeviceMesh):
     """gloo over this ring with the short entry timeout: where a collective the user calls on a rotated
     tensor (full_tensor, redistribute) meets, so that a rank skipping it is named within that timeout"""
     entry_timeout: timedelta
+    host: DeviceMesh | None
+    """where the group's collectives need host copies of this mesh's tensors (transport.staged: gloo serving CUDA
+    tensors), the same group as a CPU mesh, which gathers take instead (`_gathered`); else None"""
 
     @classmethod
     def of(
@@ -97,6 +100,9 @@ class RotationMesh(DeviceMesh):
         mesh.__class__ = cls
         mesh.replicas, mesh.replica_count = replicas, replica_count
         mesh.entry, mesh.entry_timeout = entry, entry_timeout
+        mesh.host = None
+        if transport.staged(group, torch.device(device_type)):
+            mesh.host = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("rtp",))
         return mesh
 
     def meet(self, call: str) -> None:
@@ -128,7 +134,7 @@ class _DataParallelGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.mesh, ctx.shape, ctx.stride = param.device_mesh, param.shape, param.stride()
-        return DTensor.full_tensor(DTensor.detach(param))
+        return _gathered(DTensor.detach(param))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -188,7 +194,7 @@ class RotatedTensor(DTensor):
         with _named_if_skipped("full_tensor"), _met():
             if torch.is_grad_enabled() and self.requires_grad:
                 return _DataParallelGather.apply(self)
-            return DTensor.full_tensor(DTensor.detach(self))
+            return _gathered(DTensor.detach(self))
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
         if torch.is_grad_enabled() and self.requires_grad:
@@ -200,7 +206,7 @@ class RotatedTensor(DTensor):
         if not _MET[0]:  # full_tensor redistributes: it met the ring already
             self.device_mesh.meet("redistribute")
         with _named_if_skipped("redistribute"):
-            return DTensor.redistribute(DTensor.detach(self), device_mesh, placements, **kwargs)
+            return _redistributed(DTensor.detach(self), device_mesh, placements, **kwargs)
 
 
 def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
@@ -311,7 +317,36 @@ def whole(tensor: DTensor) -> torch.Tensor:
     """Collective, without autograd: the whole tensor, for hf_rtp's code inside a call the ranks have already
     met at (a forward), so without full_tensor's entry meeting."""
     with torch.no_grad(), _named_if_skipped("gathering a rotated tensor"), _met():
-        return DTensor.full_tensor(tensor.detach())
+        return _gathered(tensor.detach())
+
+
+def _on_host(tensor: DTensor) -> DTensor | None:
+    """`tensor` (detached) as a DTensor of host copies on its mesh's CPU twin, where the mesh has one."""
+    host = getattr(tensor.device_mesh, "host", None)
+    if host is None:
+        return None
+    return DTensor.from_local(tensor.to_local().cpu(), host, tensor.placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())  # fmt: skip
+
+
+def _gathered(tensor: DTensor) -> torch.Tensor:
+    """DTensor's full_tensor of a detached `tensor`, through host memory where the group needs it
+    (RotationMesh.host)."""
+    on_host = _on_host(tensor)
+    if on_host is None:
+        return DTensor.full_tensor(tensor)
+    return DTensor.full_tensor(on_host).to(tensor.device)
+
+
+def _redistributed(tensor: DTensor, device_mesh, placements, **kwargs) -> DTensor:
+    """DTensor's redistribute of a detached `tensor` over its own mesh, through host memory where the group needs
+    it (RotationMesh.host); the result back on the mesh and device it came from."""
+    on_host = _on_host(tensor)
+    if on_host is None or device_mesh not in (None, tensor.device_mesh):
+        return DTensor.redistribute(tensor, device_mesh, placements, **kwargs)
+    moved = DTensor.redistribute(on_host, on_host.device_mesh, placements, **kwargs)
+    return DTensor.from_local(moved.to_local().to(tensor.device), tensor.device_mesh, moved.placements,
+                              run_check=False, shape=moved.shape, stride=moved.stride())  # fmt: skip
 
 
 def local_rows(tensor: torch.Tensor) -> tuple[int, int]:

@@ -4,7 +4,8 @@ Not from the world's backend string: `init_process_group()` with no backend repo
 `get_backend()` (torch then starts gloo for CPU tensors and NCCL for CUDA ones), torchtitan passes
 `"cuda:nccl,cpu:gloo"`, accelerate `"nccl"`. `get_backend_config()` says which backend serves which device
 type, whatever the string was; this module reads it. It communicates nothing: the ring (distributed/ring.py)
-posts the messages the way decided here.
+posts the messages the way decided here, and the collectives outside the ring ask `staged` whether to take host
+copies.
 
 - "batched": NCCL. A send blocks its stream until the peer's matching receive is posted on the same stream
   (NCCL's point-to-point docs; pytorch #132852), so every hop's sends and receives are posted together
@@ -21,6 +22,9 @@ posts the messages the way decided here.
 from __future__ import annotations
 
 from typing import Literal
+
+import torch
+import torch.distributed as dist
 
 from ..errors import TopologyError
 
@@ -60,3 +64,14 @@ def transport_for(config: str, device_type: str) -> Transport:
         f'start the world with a backend that carries them ("cpu:gloo,cuda:nccl" for GPUs, "gloo" for CPUs), '
         "or with no backend at all"
     )
+
+
+def staged(group, device: torch.device) -> bool:
+    """Whether `group`'s collectives must take host copies of `device`'s tensors: gloo serving CUDA tensors (a
+    world started with "cpu:gloo,cuda:gloo", gloo on GPUs as on Windows). There gloo runs all_reduce and broadcast
+    only (torch's backend table); its all_gather of CUDA tensors, which DTensor's full_tensor() issues, killed both
+    ranks with SIGSEGV on an H100 (docs/testing.md). Such a collective is run on host copies, as the ring's hops
+    are ("staged" above)."""
+    if device.type == "cpu" or group is None:
+        return False
+    return transport_for(dist.get_backend_config(group), device.type) == "staged"

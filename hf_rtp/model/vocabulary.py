@@ -25,6 +25,7 @@ from .. import faults, log
 from ..distributed.agreement import agreed
 from ..distributed.rotated import RotatedTensor
 from ..distributed.sharding import ChunkLayout, chunk_rows
+from ..distributed.transport import staged
 from ..errors import RotatedStateError, SettingError
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local
@@ -149,18 +150,19 @@ def _sent(whole: torch.Tensor, old: torch.Tensor, size: int, places, writer: int
         return nn.Parameter(received)
     ring = topology.rtp_size
     widest = chunk_rows(size, ring, 0)[1]
-    mine = like.new_zeros((widest, *shape[1:]))
+    on = torch.device("cpu") if staged(topology.group, like.device) else like.device  # gloo scatters host copies
+    mine = like.new_zeros((widest, *shape[1:]), device=on)
     pieces = None
     if topology.rank == writer:
         pieces = []
         for _, ring_rank in places:
             start, end = chunk_rows(size, ring, ring_rank)
-            padded = like.new_zeros((widest, *shape[1:]))
+            padded = like.new_zeros((widest, *shape[1:]), device=on)
             padded[: end - start] = whole[start:end]
             pieces.append(padded)
     dist.scatter(mine, pieces, src=writer, group=topology.group)
     start, end = chunk_rows(size, ring, topology.rtp_rank)
-    return rotated_parameter(mine[: end - start].clone(), shape, topology)
+    return rotated_parameter(mine[: end - start].to(like.device, copy=True), shape, topology)
 
 
 def _forget_sources(model, state, modules) -> None:

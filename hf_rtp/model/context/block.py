@@ -203,7 +203,9 @@ def context_parallel_unshard(
         part = b.detach().movedim(d, 0)
         padded = part.new_zeros((widest, *part.shape[1:]))
         padded[:local] = part
-        shares = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(shares, padded.contiguous(), group=run.ring.group)
-        wholes.append(layout.unshard(shares, 0).movedim(0, d))
+        staged = run.ring.transport == "staged"  # gloo serving CUDA tensors: it gathers host copies only
+        sent = padded.cpu() if staged else padded.contiguous()
+        shares = [torch.empty_like(sent) for _ in range(size)]
+        dist.all_gather(shares, sent, group=run.ring.group)
+        wholes.append(layout.unshard(shares, 0).movedim(0, d).to(b.device))
     return wholes
