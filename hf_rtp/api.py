@@ -99,11 +99,12 @@ def from_pretrained(
             forwards whose ranks counted their tokens (text inputs), for tokens that fit the ring's two weight
             slots (moving tokens takes no memory of its own). Backward always moves weights. Every rank must
             pass the same value.
-        tiled_mlp: run each decoder layer's MLP over tiles of its tokens, so that at long sequences its
-            intermediate activations exist for one tile at a time, in forward and in backward (each tile under
-            torch.utils.checkpoint: one more forward of the MLP). "auto" (default): tiles of 8192 tokens where
-            an MLP's input holds more than 16384 (per rank: under context parallelism, its own); True: tiles of
-            8192 above 8192; an int: tiles of that many tokens; False: never. Blocks of experts
+        tiled_mlp: run each decoder layer's MLP, and each norm outside attention, over tiles of its tokens, so
+            that at long sequences their intermediate activations (an RMSNorm's float32 copies of a bf16 input
+            among them) exist for one tile at a time, in forward and in backward (each tile under
+            torch.utils.checkpoint: one more forward of the MLP and the norms). "auto" (default): tiles of 8192
+            tokens where an input holds more than 16384 (per rank: under context parallelism, its own); True:
+            tiles of 8192 above 8192; an int: tiles of that many tokens; False: never. Blocks of experts
             are left whole by "auto" and refused by name otherwise; an MLP whose dropout is active runs whole,
             with a warning. The same outputs and gradients as untiled, up to the order of the weight
             gradients' sums (model/tiled_mlp.py).

@@ -52,8 +52,8 @@ class Settings:
     """what a rotated op moves around the ring in a forward: "auto" (whichever costs less: bytes and hops, the
     weight pieces or the tokens), "weights" or "activations" (distributed.traffic.Traffic)"""
     tiled_mlp: bool | int | str = field(default="auto", metadata=_keyword("tiled_mlp"))
-    """whether decoder layers' MLPs run over tiles of their tokens: "auto", True, False or tokens per tile
-    (model/tiled_mlp.py)"""
+    """whether decoder layers' MLPs, and the model's norms, run over tiles of their tokens: "auto", True, False or
+    tokens per tile (model/tiled_mlp.py)"""
 
     def load_spec(self, device_mesh: Any, rtp_size: int, plan: Any) -> LoadSpec:
         """How a model was loaded with these settings, on this grid with this plan (model.state.RTPState.spec)."""

@@ -1,6 +1,6 @@
-"""Tiled MLP (from_pretrained's `tiled_mlp`): a decoder layer's MLP run over tiles of its tokens, so that at long
-sequences its working set is a tile's, not the sequence's (Arctic Long Sequence Training's sequence tiling,
-arXiv 2506.13996).
+"""Tiled MLP (from_pretrained's `tiled_mlp`): a decoder layer's MLP, and the model's norms, run over tiles of
+their tokens, so that at long sequences their working set is a tile's, not the sequence's (Arctic Long Sequence
+Training's sequence tiling, arXiv 2506.13996).
 
 An MLP is token-wise: each token's output depends on that token's input only, so the MLP of a tile of tokens (rows
 of the input seen as [tokens, hidden]) is the MLP of those tokens. With gradients, each tile runs under
@@ -11,14 +11,22 @@ and in backward. The cost is one more forward of the MLP, as gradient checkpoint
 rotated weights per tile: tiles are long (8192 tokens by default) so that each walk's hops hide behind a tile's
 matmuls.
 
+A norm (RMSNorm, LayerNorm) normalizes each token over its hidden size: token-wise too. Llama's RMSNorm saves a
+float32 copy of its input and of the normalized tokens for backward, in a bf16 model 4 bytes each per hidden value
+beside the 2 of the input: two norms per decoder layer and the final one (at 524,288 tokens a rank of Llama-3-8B,
+8.6 GB a copy). Tiled, a norm keeps only its input's tiles (views) and recomputes a tile's copies in backward: every
+norm of the model but those inside an attention module (Qwen3's q_norm and k_norm, over a head's width), which
+stay whole. Norms hold no rotated weight, so each rank tiles its own tokens.
+
 What is tiled: an `mlp` child of a model's module whose own children are linears (rotated, quantized, or wrapped
-by PEFT later), activations and dropouts only (Llama's, Qwen's, Mistral's, Gemma's, Phi-3's, GPT-2's). A block of
-experts with a router (Mixtral's, Qwen-MoE's) is not token-wise in what it returns (its router logits feed the
-auxiliary loss) and is refused by name when tiling is asked for, left whole under "auto". An MLP whose dropout is
-active (training, p > 0) runs whole, with a warning: per-tile masks would be other draws than vanilla's one.
+by PEFT later), activations and dropouts only (Llama's, Qwen's, Mistral's, Gemma's, Phi-3's, GPT-2's), and every
+module whose class is a norm (`_NORMS`) outside attention. A block of experts with a router (Mixtral's, Qwen-MoE's)
+is not token-wise in what it returns (its router logits feed the auxiliary loss) and is refused by name when tiling
+is asked for, left whole under "auto" (its layers' norms are tiled). An MLP whose dropout is active (training,
+p > 0) runs whole, with a warning: per-tile masks would be other draws than vanilla's one.
 
 Exactness: every token's output is computed by the same ops on a tile of rows; the weights' gradients are summed
-over tiles, where vanilla sums over all tokens in one matmul (summation order only).
+over tiles, where vanilla sums over all tokens in one matmul or reduction (summation order only).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ AUTO_FROM = 2 * TILE
 rank's own)"""
 _PLAIN = (nn.Linear, nn.Dropout, nn.Identity)
 _NOT_TOKEN_WISE = {"MultiheadAttention", "Softmax", "Softmin", "LogSoftmax", "Softmax2d"}  # torch "activations"
+_NORMS = ("RMSNorm", "LayerNorm")
+"""class-name endings of the norms tiled (transformers' LlamaRMSNorm, Qwen2RMSNorm, GemmaRMSNorm, ...; torch's
+nn.LayerNorm and nn.RMSNorm): each normalizes a token over its last dimension"""
 
 
 def _token_wise(module: nn.Module) -> bool:
@@ -100,10 +111,10 @@ def tile_for(setting: bool | int | str, tokens: int) -> int | None:
 
 
 def install(model: nn.Module, setting: bool | int | str) -> int:
-    """Give every token-wise `mlp` of `model` the tiled forward per `setting` (from_pretrained's tiled_mlp): False
-    (never), "auto" (tiles of TILE tokens above AUTO_FROM), True (tiles of TILE tokens above one tile) or a positive
-    int (tiles of that many tokens). Returns how many MLPs were given it. Refuses by name, with `setting`
-    asked for explicitly, an `mlp` it cannot tile."""
+    """Give every token-wise `mlp` of `model`, and every norm outside attention, the tiled forward per `setting`
+    (from_pretrained's tiled_mlp): False (never), "auto" (tiles of TILE tokens above AUTO_FROM), True (tiles of TILE
+    tokens above one tile) or a positive int (tiles of that many tokens). Returns how many MLPs were given it.
+    Refuses by name, with `setting` asked for explicitly, an `mlp` it cannot tile."""
     if setting is False:
         return 0
     count, warned = 0, set[bool]()  # non-empty once this model warned about an MLP's dropout
@@ -125,7 +136,36 @@ def install(model: nn.Module, setting: bool | int | str) -> int:
         tiled = functools.partial(_tiled, type(module).forward, setting, warned, ring)
         module.forward = types.MethodType(tiled, module)
         count += 1
+    for module in _norms(model):  # no rotated weight inside: each rank tiles its own tokens
+        tiled = functools.partial(_tiled, type(module).forward, setting, warned, None)
+        module.forward = types.MethodType(tiled, module)
     return count
+
+
+def uninstall(model: nn.Module) -> None:
+    """Every tiled forward `install` gave `model` removed: its modules' own forwards back."""
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if isinstance(forward, types.MethodType) and getattr(forward.__func__, "func", None) is _tiled:
+            del module.forward
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    """Every norm of `model` (by class name, _NORMS) with no children of its own, outside attention modules."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            name = type(child).__name__
+            if "Attention" in name:
+                continue  # a query or key norm works on a head's width, inside the attention's own shapes
+            if name.endswith(_NORMS) and next(child.children(), None) is None:
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
 
 
 def _tiled(plain, setting, warned: set, ring, self: nn.Module, x: Any, *args, **kwargs):

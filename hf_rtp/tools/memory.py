@@ -486,15 +486,13 @@ def _activations(
 
 
 def _tiled_trace(model: Any, batch: int, seq: int, labels: bool, tile: int) -> int:
-    """saved_activation_bytes with the model's MLPs tiled (what each keeps then: its tiles' inputs, views of its
-    input), the model left as it was."""
+    """saved_activation_bytes with the model's MLPs and norms tiled (what each keeps then: its tiles' inputs, views
+    of its input), the model left as it was."""
     tiled_mlp_module.install(model, tile)
     try:
         return saved_activation_bytes(model, batch, seq, labels)
     finally:
-        for name, module in model.named_modules():
-            if name.rpartition(".")[2] == "mlp":
-                vars(module).pop("forward", None)
+        tiled_mlp_module.uninstall(model)
 
 
 def parser() -> argparse.ArgumentParser:

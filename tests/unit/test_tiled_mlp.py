@@ -95,3 +95,72 @@ def test_an_active_dropout_runs_the_mlp_whole_with_a_warning(caplog):
 def test_a_tiled_mlp_setting_that_means_nothing_is_refused_by_name(bad):
     with pytest.raises(SettingError, match=r"tiled_mlp must be \"auto\", True, False or a positive number of tokens"):
         Settings.resolve(tiled_mlp=bad)
+
+
+def _saved(model, ids) -> list[tuple[torch.Size, torch.dtype]]:
+    saved: list[tuple[torch.Size, torch.dtype]] = []
+
+    def pack(t):
+        saved.append((t.shape, t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return saved
+
+
+def test_tiled_norms_keep_no_float32_copy_of_a_bf16_models_tokens():
+    """Llama's RMSNorm saves float32 copies of its bf16 input for backward (4 bytes a value beside the input's 2):
+    tiled, a norm keeps its input's tiles and recomputes their copies, one tile at a time, in backward."""
+    torch.manual_seed(0)
+    whole = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.bfloat16)
+    tiled = copy.deepcopy(whole)
+    tiled_mlp.install(tiled, 4)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    hidden = whole.config.hidden_size
+    for model in (whole, tiled):
+        copies = [
+            s
+            for s, d in _saved(model.train(), ids)
+            if d == torch.float32 and len(s) and s[-1] == hidden and s.numel() >= 22 * hidden
+        ]
+        assert bool(copies) == (model is whole), copies  # [2, 11, hidden] in float32: the whole norms' only
+
+
+def test_every_norm_outside_attention_is_tiled_and_gives_the_whole_norms_gradients():
+    from transformers import Gemma3TextConfig, Qwen3Config
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=VOCAB)  # fmt: skip
+    expected = {
+        "qwen3": ["input_layernorm", "post_attention_layernorm"],  # not self_attn.q_norm, k_norm: a head's width
+        "gemma3": [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ],
+    }
+    for arch, config in (("qwen3", Qwen3Config(**shape)), ("gemma3", Gemma3TextConfig(**shape))):
+        torch.manual_seed(0)
+        whole = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+        tiled = copy.deepcopy(whole)
+        tiled_mlp.install(tiled, 4)
+        norms = [n for n, m in tiled.named_modules() if "forward" in vars(m) and not n.endswith(".mlp")]
+        per_layer = [f"model.layers.{i}.{name}" for i in range(2) for name in expected[arch]]
+        assert sorted(norms) == sorted([*per_layer, "model.norm"]), (arch, norms)
+        ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for model in (whole, tiled):
+            loss = model.train()(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-13, rtol=0)
+        for (name, p), q in zip(whole.named_parameters(), tiled.parameters(), strict=True):
+            # Gemma's norms compute in float32 whatever the model's dtype (x.float(), weight.float()): their
+            # weights' gradients, summed over tiles, round in float32 (2e-9 of 2e-2 here; a wrong tile is 1e-2)
+            float32 = arch == "gemma3" and name.endswith("norm.weight")
+            tolerance = dict(atol=1e-8, rtol=1e-6) if float32 else dict(atol=1e-13, rtol=1e-12)
+            torch.testing.assert_close(q.grad, p.grad, **tolerance, msg=f"{arch} {name}")
+        tiled_mlp.uninstall(tiled)
+        assert not any("forward" in vars(m) for m in tiled.modules())
