@@ -66,12 +66,16 @@ def estimate_qlora(
     compute_dtype: str | torch.dtype | None = None,
     piece_bytes: int = 16 * 10**6,
     device: str = "cpu",
+    tiled_mlp: bool | int | str = "auto",
+    checkpoint_offload: bool = False,
 ) -> dict[str, float]:
     """Estimated peak bytes per rank of QLoRA training under DDP, FSDP2 (FSDP-QLoRA) and RTP. `dtype`: the
     unquantized weights, adapters and activations (float32 once prepare_model_for_kbit_training has run, as PEFT's
     recipe runs it; bfloat16 where the model is loaded so and that step skipped, as FSDP-QLoRA recipes do);
     `compute_dtype`: bnb_4bit_compute_dtype, what a dequantized weight is held in (default: `dtype`); `device`:
-    "cpu" or "cuda", what memory.estimate's `device` says."""
+    "cpu" or "cuda", what memory.estimate's `device` says; `tiled_mlp` and `checkpoint_offload` (with
+    `gradient_checkpointing`): the RTP row with from_pretrained's tiled_mlp and hf_rtp's checkpoint offload, as
+    memory.estimate counts them."""
     terms = memory.device_terms(device)
     compute = memory._dtype(compute_dtype or dtype)
     model = memory._meta_model(config, memory._dtype(dtype))
@@ -110,7 +114,7 @@ def estimate_qlora(
     slot = min(piece_bytes, math.ceil(max(root, 2 * layer_packed) / n))  # a piece of packed rows or floats
     pool = (1 if n == 2 else 2) * slot
     fused = (
-        memory._activations(model, batch, seq, False, gradient_checkpointing)
+        memory._activations(model, batch, seq, False, gradient_checkpointing, tiled_mlp, checkpoint_offload)
         + batch * seq * (config.hidden_size * width + 8)
         + 3 * min(terms.loss_tile, batch * seq * math.ceil(config.vocab_size / n) * 4)
     )
@@ -168,13 +172,10 @@ def main(argv=None) -> dict[str, float]:
         raise SystemExit("--world-size must be at least 1")
     if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:
         raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
-    if args.checkpoint_offload or args.tiled_mlp != "auto":
-        raise SystemExit(
-            "--load-in-4bit's estimate does not count --checkpoint-offload or --tiled-mlp yet (its MLPs whole, its "
-            "checkpointed inputs on the GPU): drop them, or estimate full fine-tuning without --load-in-4bit"
-        )
     if args.lora_rank < 1:
         raise SystemExit("--lora-rank must be at least 1")
+    if args.checkpoint_offload and not args.gradient_checkpointing:
+        raise SystemExit("--checkpoint-offload moves what gradient checkpointing keeps: add --gradient-checkpointing")
     config = memory.config_from(args)
     result = estimate_qlora(
         config,
@@ -185,6 +186,8 @@ def main(argv=None) -> dict[str, float]:
         gradient_checkpointing=args.gradient_checkpointing,
         dtype=args.dtype,
         device=args.device,
+        tiled_mlp=args.tiled_mlp,
+        checkpoint_offload=args.checkpoint_offload,
     )
     print(
         f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW); "
@@ -193,6 +196,10 @@ def main(argv=None) -> dict[str, float]:
     notes = {"fsdp2": "   (FSDP-QLoRA: packed bytes sharded, quantization state whole)", "rtp": "   (fused loss)"}
     for strategy, value in result.items():
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + notes.get(strategy, ""))
+    if args.checkpoint_offload:
+        inputs = memory.checkpointed_inputs(memory._meta_model(config, memory._dtype(args.dtype)), args.batch, args.seq)
+        per_node = min(args.gpus_per_node, args.world_size)
+        print(f"  checkpoint offload, pinned host memory per node of {per_node} GPUs: {inputs * per_node / 1e9:.1f} GB")
     return result
 
 

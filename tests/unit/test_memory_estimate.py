@@ -232,6 +232,30 @@ def test_the_qlora_estimate_shards_what_each_strategy_shards(config_only, capsys
     assert main([str(config_only), "--world-size", "2"]) == memory.main([str(config_only), "--world-size", "2"])
 
 
+def test_the_qlora_estimate_counts_tiling_and_offload_in_the_rtp_row_alone(config_only, capsys):
+    """QLoRA at a long sequence: from_pretrained's tiled_mlp ("auto" tiles above 16384 tokens per rank) and hf_rtp's
+    checkpoint offload lower the RTP row, as memory.estimate counts them; DDP's and FSDP-QLoRA's rows run whole."""
+    from hf_rtp.tools.memory_qlora import estimate_qlora, main
+
+    config = memory.load_config(str(config_only))
+    long = dict(batch=1, seq=32768, gradient_checkpointing=True)
+    whole, tiled = (estimate_qlora(config, 2, **long, tiled_mlp=t) for t in (False, "auto"))
+    offloaded = estimate_qlora(config, 2, **long, checkpoint_offload=True)
+    for strategy in ("ddp", "fsdp2"):
+        assert whole[strategy] == tiled[strategy] == offloaded[strategy], strategy
+    assert offloaded["rtp"] < tiled["rtp"] < whole["rtp"]
+    inputs = memory.checkpointed_inputs(memory._meta_model(config, torch.float32), 1, 32768)
+    layers = config.num_hidden_layers
+    assert tiled["rtp"] - offloaded["rtp"] == pytest.approx(inputs * (layers - 2) / layers)  # all but two inputs
+    short = [estimate_qlora(config, 2, batch=1, seq=2048, tiled_mlp=t)["rtp"] for t in (False, "auto")]
+    assert short[0] == short[1]
+    argv = [str(config_only), "--world-size", "2", "--load-in-4bit", "--seq", "32768", "--batch", "1"]
+    assert main([*argv, "--gradient-checkpointing", "--checkpoint-offload", "--device", "cpu"]) == offloaded
+    assert "pinned host memory per node of 2 GPUs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="add --gradient-checkpointing"):
+        main([*argv, "--checkpoint-offload"])
+
+
 def test_context_parallelism_divides_the_activations_not_the_model_states(config_only):
     """Each rank holds 1/N of a sequence's tokens: at a long sequence the peak falls toward the model states / N
     plus the activations / N, and a ring of one has no context-parallel row (its sequence is whole)."""
