@@ -23,7 +23,8 @@ by PEFT later), activations and dropouts only (Llama's, Qwen's, Mistral's, Gemma
 module whose class is a norm (`_NORMS`) outside attention. A block of experts with a router (Mixtral's, Qwen-MoE's)
 is not token-wise in what it returns (its router logits feed the auxiliary loss) and is refused by name when tiling
 is asked for, left whole under "auto" (its layers' norms are tiled). An MLP whose dropout is active (training,
-p > 0) runs whole, with a warning: per-tile masks would be other draws than vanilla's one.
+p > 0; an nn.Dropout inside it, or F.dropout called by its forward, as Starcoder2's) runs whole, with a warning:
+per-tile masks would be other draws than vanilla's one.
 
 Exactness: every token's output is computed by the same ops on a tile of rows; the weights' gradients are summed
 over tiles, where vanilla sums over all tokens in one matmul or reduction (summation order only).
@@ -32,7 +33,9 @@ over tiles, where vanilla sums over all tokens in one matmul or reduction (summa
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import re
 import types
 from typing import Any
 
@@ -72,7 +75,32 @@ def _token_wise(module: nn.Module) -> bool:
 
 
 def _dropping(module: nn.Module) -> bool:
-    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+    """Whether `module` draws a dropout mask in this forward: an nn.Dropout inside it with p > 0, or a forward that
+    calls F.dropout itself (Starcoder2's and Seed-OSS's MLPs: `p=self.residual_dropout`) with any float attribute
+    named for dropout above 0 (or none to read, where p comes from elsewhere)."""
+    if not module.training:
+        return False
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
+        return True
+    if not _calls_dropout(type(module)):
+        return False
+    rates = [v for k, v in vars(module).items() if "drop" in k and isinstance(v, float)]
+    return not rates or any(p > 0 for p in rates)
+
+
+_CALLS_DROPOUT: dict[type[nn.Module], bool] = {}
+
+
+def _calls_dropout(cls: type[nn.Module]) -> bool:
+    """Whether `cls.forward`'s source calls torch's functional dropout (read once per class)."""
+    if cls in _CALLS_DROPOUT:
+        return _CALLS_DROPOUT[cls]
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source to read (a compiled class): no functional call seen
+        source = ""
+    _CALLS_DROPOUT[cls] = re.search(r"(functional|\bF)\.dropout\(", source) is not None
+    return _CALLS_DROPOUT[cls]
 
 
 def pinned(func, ring):

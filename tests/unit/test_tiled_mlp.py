@@ -164,3 +164,33 @@ def test_every_norm_outside_attention_is_tiled_and_gives_the_whole_norms_gradien
             torch.testing.assert_close(q.grad, p.grad, **tolerance, msg=f"{arch} {name}")
         tiled_mlp.uninstall(tiled)
         assert not any("forward" in vars(m) for m in tiled.modules())
+
+
+def test_an_mlp_calling_functional_dropout_runs_whole_in_training_with_a_warning(caplog):
+    """Starcoder2's MLP draws its mask with F.dropout(p=self.residual_dropout) inside forward, no nn.Dropout child:
+    tiled, each tile would draw its own mask. With p > 0 in training it runs whole (vanilla's one draw); with p = 0,
+    or in eval, it tiles."""
+    from transformers import Starcoder2Config
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB)  # fmt: skip
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    for p in (0.5, 0.0):
+        torch.manual_seed(0)
+        whole = AutoModelForCausalLM.from_config(Starcoder2Config(**shape, residual_dropout=p), dtype=torch.float64)
+        tiled = copy.deepcopy(whole)
+        tiled_mlp.install(tiled, 4)
+        outs = []
+        with caplog.at_level(logging.WARNING, logger="hf_rtp"):
+            caplog.clear()
+            for model in (whole, tiled):
+                torch.manual_seed(5)
+                outs.append(model.train()(input_ids=ids).logits)
+        warned = "tiled_mlp runs this MLP whole while its dropout is active" in caplog.text
+        assert warned == (p > 0), p
+        if p > 0:
+            assert torch.equal(outs[0], outs[1])  # vanilla's masks: the MLP ran whole
+        else:
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-13, rtol=0)
+            mlp = tiled.model.layers[0].mlp
+            assert not tiled_mlp._dropping(mlp)
