@@ -164,8 +164,8 @@ def install(model: nn.Module, setting: bool | int | str) -> int:
         tiled = functools.partial(_tiled, type(module).forward, setting, warned, ring)
         module.forward = types.MethodType(tiled, module)
         count += 1
-    for module in _norms(model):  # no rotated weight inside: each rank tiles its own tokens
-        tiled = functools.partial(_tiled, type(module).forward, setting, warned, None)
+    for module, width in _norms(model):  # no rotated weight inside: each rank tiles its own tokens
+        tiled = functools.partial(_tiled_norm, type(module).forward, setting, width)
         module.forward = types.MethodType(tiled, module)
     return count
 
@@ -174,13 +174,14 @@ def uninstall(model: nn.Module) -> None:
     """Every tiled forward `install` gave `model` removed: its modules' own forwards back."""
     for module in model.modules():
         forward = vars(module).get("forward")
-        if isinstance(forward, types.MethodType) and getattr(forward.__func__, "func", None) is _tiled:
+        if isinstance(forward, types.MethodType) and getattr(forward.__func__, "func", None) in (_tiled, _tiled_norm):
             del module.forward
 
 
-def _norms(model: nn.Module) -> list[nn.Module]:
-    """Every norm of `model` (by class name, _NORMS) with no children of its own, outside attention modules."""
-    found: list[nn.Module] = []
+def _norms(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """Every norm of `model` (by class name, _NORMS) with no children of its own, outside attention modules, that
+    normalizes each row over its last dimension, with that dimension's size."""
+    found: list[tuple[nn.Module, int]] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
@@ -188,12 +189,34 @@ def _norms(model: nn.Module) -> list[nn.Module]:
             if "Attention" in name:
                 continue  # a query or key norm works on a head's width, inside the attention's own shapes
             if name.endswith(_NORMS) and next(child.children(), None) is None:
-                found.append(child)
+                width = _width(child)
+                if width is not None:
+                    found.append((child, width))
             else:
                 visit(child)
 
     visit(model)
     return found
+
+
+def _width(norm: nn.Module) -> int | None:
+    """The size of the one last dimension `norm` normalizes over; None where it normalizes over something else."""
+    if getattr(norm, "data_format", "channels_last") != "channels_last":
+        return None  # ConvNext's, SAM's, GOT-OCR2's vision LayerNorms: over channels, dim 1 of [B, C, H, W]
+    shape = getattr(norm, "normalized_shape", None)
+    if shape is not None:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return int(shape[0]) if len(shape) == 1 else None
+    weight = getattr(norm, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+
+
+def _tiled_norm(plain, setting, width: int, self: nn.Module, x: Any, *args, **kwargs):
+    """A norm's forward over tiles of rows (`_tiled`, no ring) where its input's last dimension is the one it
+    normalizes (`width`); else its own."""
+    if args or kwargs or not torch.is_tensor(x) or x.dim() < 2 or x.shape[-1] != width:
+        return plain(self, x, *args, **kwargs)
+    return _tiled(plain, setting, set(), None, self, x)
 
 
 def _tiled(plain, setting, warned: set, ring, self: nn.Module, x: Any, *args, **kwargs):

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from support.models import VOCAB, tiny_config
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from hf_rtp.errors import SettingError
@@ -194,3 +195,27 @@ def test_an_mlp_calling_functional_dropout_runs_whole_in_training_with_a_warning
             torch.testing.assert_close(outs[1], outs[0], atol=1e-13, rtol=0)
             mlp = tiled.model.layers[0].mlp
             assert not tiled_mlp._dropping(mlp)
+
+
+def test_a_norm_over_channels_or_another_dimension_is_left_whole():
+    """GOT-OCR2's vision neck normalizes [B, C, H, W] over C (data_format="channels_first"): tiling its rows would
+    cut the wrong dimension. Only norms over one last dimension are tiled, and only inputs whose last dimension it
+    is."""
+    from transformers.models.got_ocr2.modeling_got_ocr2 import GotOcr2LayerNorm
+
+    model = nn.Module()
+    model.over_channels = GotOcr2LayerNorm(8, data_format="channels_first")
+    model.over_last = GotOcr2LayerNorm(8, data_format="channels_last")
+    model.over_two = nn.LayerNorm((4, 8))
+    model.double()
+    tiled_mlp.install(model, 4)
+    assert [n for n, m in model.named_modules() if "forward" in vars(m)] == ["over_last"]
+    image = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+    assert torch.equal(model.over_channels(image), type(model.over_channels).forward(model.over_channels, image))
+    rows = torch.randn(3, 11, 8, dtype=torch.float64).requires_grad_()
+    torch.testing.assert_close(
+        model.over_last(rows), type(model.over_last).forward(model.over_last, rows), atol=1e-15, rtol=0
+    )
+    other = torch.randn(2, 8, 3, dtype=torch.float64)  # a last dimension it does not normalize: its own forward
+    with pytest.raises(RuntimeError):
+        model.over_last(other)
