@@ -477,20 +477,26 @@ def _activations(
     if not gradient_checkpointing:
         return full + working
     # Checkpointed layers keep only their input, which the trace sees (torch.utils.checkpoint saves a checkpointed
-    # call's inputs for backward through the saved-tensor hooks); backward recomputes one layer at a time.
-    outside = saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=True)
+    # call's inputs for backward through the saved-tensor hooks); backward recomputes one layer at a time. What lies
+    # outside the layers (the final norm) is tiled too.
+    if tile is None:
+        outside = saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=True)
+    else:
+        outside = _tiled_trace(model, batch, seq, labels, tile, gradient_checkpointing=True)
     layers = max(1, len(decoder_layers(model)))
     # on the device meanwhile: the input of the layer recomputing and of the one before it, coming back
     host = checkpointed_inputs(model, batch, seq) * max(layers - 2, 0) / layers if offload else 0.0
     return outside - host + (full - outside) / layers + working
 
 
-def _tiled_trace(model: Any, batch: int, seq: int, labels: bool, tile: int) -> int:
+def _tiled_trace(
+    model: Any, batch: int, seq: int, labels: bool, tile: int, gradient_checkpointing: bool = False
+) -> int:
     """saved_activation_bytes with the model's MLPs and norms tiled (what each keeps then: its tiles' inputs, views
     of its input), the model left as it was."""
     tiled_mlp_module.install(model, tile)
     try:
-        return saved_activation_bytes(model, batch, seq, labels)
+        return saved_activation_bytes(model, batch, seq, labels, gradient_checkpointing=gradient_checkpointing)
     finally:
         tiled_mlp_module.uninstall(model)
 

@@ -328,3 +328,20 @@ def test_tiled_mlps_lower_the_rtp_rows_alone_and_only_where_they_tile():
         assert tiled[strategy] == whole[strategy], strategy
     for strategy in ("rtp", "rtp-unfused", "rtp-cp"):
         assert tiled[strategy] < 0.85 * whole[strategy], strategy
+
+
+def test_with_checkpointing_the_final_norm_outside_the_layers_is_counted_tiled(config_only):
+    """Under gradient checkpointing what lies outside the decoder layers is kept whole for backward, the final norm
+    among them: tiled, it keeps its input's tiles, not its float32 copies of a bf16 input."""
+    config = memory.load_config(str(config_only))
+    model = memory._meta_model(config, torch.bfloat16)
+    tokens, tile = 4096, 512
+    whole = memory.saved_activation_bytes(model, 1, tokens, False, gradient_checkpointing=True)
+    tiled = memory._tiled_trace(model, 1, tokens, False, tile, gradient_checkpointing=True)
+    assert whole - tiled >= tokens * config.hidden_size * 4  # at least one float32 copy of every token
+    layers = config.num_hidden_layers
+    full = memory._tiled_trace(model, 1, tokens, False, tile)
+    working = (memory.saved_activation_bytes(model, 1, tokens, False) - full) / (layers * tokens) * tile
+    expected = tiled + (full - tiled) / layers + working
+    assert memory._activations(model, 1, tokens, False, True, tile) == pytest.approx(expected)
+    assert not any("forward" in vars(m) for m in model.modules())  # the estimate leaves its model as it was
