@@ -1,9 +1,12 @@
 """The host-staged collectives outside the ring (distributed/transport.py, `staged`; rotated.py's `_gathered` and
 `_redistributed`; the context-parallel unshard and the embedding resize's scatter) on the CPU: a world of gloo on
 CUDA takes that path (gloo's all_gather of CUDA tensors killed both ranks of the GPU check with SIGSEGV), and CI has
-no GPU, so these ranks force the rotation mesh's host twin and compare with vanilla transformers
-(tests/support/gathers.py) at 2 and 3 ranks, uneven chunks included; tests/gpu/test_gathers_cuda.py runs the same on
-a GPU. Without the twin, the same checks on the device path."""
+no GPU, so these ranks force the rotation mesh's host twin, over a gloo group of its own, and compare with vanilla
+transformers (tests/support/gathers.py) at 2 and 3 ranks, uneven chunks included; that every gather of
+full_tensor() and redistribute ran on the twin's group is read from the functional collectives' group names. The
+staged branches of context_parallel_unshard and the embedding resize's scatter follow the ring's transport, never
+"staged" on a CPU: tests/gpu/test_gathers_cuda.py runs them on a GPU. Without the twin, the same checks on the
+device path."""
 
 from __future__ import annotations
 

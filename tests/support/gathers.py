@@ -7,6 +7,20 @@ host-staged path a world of gloo on CUDA takes (distributed/transport.py, `stage
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _GroupsGathered(TorchDispatchMode):
+    """The names of the process groups DTensor's all_gathers ran on (functional collectives name their group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_gather" in func.name():
+            self.names.add(args[2])  # (input, group_size, group_name)
+        return func(*args, **(kwargs or {}))
 
 
 def gathers_beside_vanilla(ckpt, out, device, force_host: bool = False):
@@ -28,16 +42,20 @@ def gathers_beside_vanilla(ckpt, out, device, force_host: bool = False):
     theirs = dict(vanilla.named_parameters())
     rotated = {n: p for n, p in model.named_parameters() if isinstance(p, DTensor)}
     mesh = next(iter(rotated.values())).device_mesh
-    if force_host:  # what a world of gloo on CUDA sets (RotationMesh.of), on the CPU
-        mesh.host = DeviceMesh.from_group(mesh.get_group(), "cpu", mesh_dim_names=("rtp",))
+    if force_host:  # what a world of gloo on CUDA sets (RotationMesh.of), on the CPU: over a group of its own here,
+        # so that which group each gather ran on shows which path it took
+        host = dist.new_group(ranks=list(range(world)), backend="gloo")
+        mesh.host = DeviceMesh.from_group(host, "cpu", mesh_dim_names=("rtp",))
     checks = {"staged": getattr(mesh, "host", None) is not None}
     if device.type == "cpu":  # a gloo world: gloo would serve CUDA tensors too, so those would be staged
         checks["decided"] = staged(mesh.get_group(), torch.device("cuda")) and not staged(mesh.get_group(), device)
-    with torch.no_grad():
+    with torch.no_grad(), _GroupsGathered() as gathered:
         checks["full_tensor"] = all(torch.equal(p.full_tensor(), theirs[n]) for n, p in rotated.items())
         checks["redistribute"] = all(
             torch.equal(p.redistribute(placements=[Replicate()]).to_local(), theirs[n]) for n, p in rotated.items()
         )
+    wanted = mesh.host.get_group() if force_host else mesh.get_group()
+    checks["gathered_on"] = bool(gathered.names) and gathered.names == {wanted.group_name}
     weight = rotated["model.layers.0.self_attn.q_proj.weight"]
     (weight.full_tensor().sum() * (rank + 1)).backward()  # its gradient: the mean over ranks of rank + 1
     grad = weight.grad.to_local()
