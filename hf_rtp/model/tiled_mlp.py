@@ -26,8 +26,9 @@ is asked for, left whole under "auto" (its layers' norms are tiled). An MLP whos
 p > 0; an nn.Dropout inside it, or F.dropout called by its forward, as Starcoder2's) runs whole, with a warning:
 per-tile masks would be other draws than vanilla's one.
 
-Exactness: every token's output is computed by the same ops on a tile of rows; the weights' gradients are summed
-over tiles, where vanilla sums over all tokens in one matmul or reduction (summation order only).
+Exactness: every token's output is computed by the same ops on a tile of rows (a GPU kernel may order a row's sums
+by the number of rows it is given: rounding); the weights' gradients are summed over tiles, where vanilla sums over
+all tokens in one matmul or reduction (summation order only).
 """
 
 from __future__ import annotations
