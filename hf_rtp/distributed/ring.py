@@ -110,8 +110,10 @@ class Ring:
                 grace_s=WATCH_GRACE_S if nccl else None,
                 device=self.device,
             )
+        self._plain = self._watch is None and self.transport == "plain"  # posted by `exchange` itself, directly
         self._hops: torch.Tensor | None = None  # the watched ring's hops so far, on the device: headers carry it
         self._tags: dict[int, torch.Tensor] = {}
+        self._likes: dict[tuple, torch.Tensor] = {}
         self._mismatch: torch.Tensor | None = None
         self.pool = BufferPool()
         self.moves = "auto"
@@ -146,6 +148,17 @@ class Ring:
     def exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
+        if self._plain:  # gloo on the CPU, unwatched: the messages and nothing else (the hop's host time, bench)
+            self.exchanges += 1
+            group, works = self.group, []
+            for i, t in enumerate(send):
+                if t.numel():
+                    self.sent_bytes += t.numel() * t.element_size()
+                    works.append(dist.isend(t.contiguous(), self._next, group=group, tag=tag + i))
+            for i, t in enumerate(recv):
+                if t.numel():
+                    works.append(dist.irecv(t, self._prev, group=group, tag=tag + i))
+            return Pending(works)
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
         self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
@@ -223,8 +236,18 @@ class Ring:
             self.pool.plan(layout.max_piece_numel(self.pieces(layout, like)), like)
 
     def own_piece(self, own: Bundle, layout: ChunkLayout, rows: Rows) -> list[torch.Tensor]:
-        first = layout.bounds(self.rank)[0]
+        first, end = layout.bounds(self.rank)
+        if rows[0] == first and rows[1] == end:  # the whole chunk (one piece): the tensors themselves, no views to make
+            return list(own)
         return [t[rows[0] - first : rows[1] - first] for t in own]  # dim-0 views: contiguous, no copy
+
+    def _like(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor of `dtype` on `like`'s device: what the pool carves slots by, made once per kind."""
+        key = (like.device, dtype)
+        known = self._likes.get(key)
+        if known is None:
+            known = self._likes[key] = like.new_empty(0, dtype=dtype)
+        return known
 
     def travel_dtype(self, own: Bundle, dtype: torch.dtype | None) -> torch.dtype:
         """What weights travel in: `dtype` (the matmuls') where it is a narrower float than the
@@ -242,7 +265,8 @@ class Ring:
 
     def _held(self, own: Bundle, layout: ChunkLayout, rows: Rows, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's piece in the travel dtype: a cast copy of one piece at most, made once per walk."""
-        return [t.to(dtype) if t.is_floating_point() else t for t in self.own_piece(own, layout, rows)]
+        piece = self.own_piece(own, layout, rows)
+        return [t.to(dtype) if t.dtype != dtype and t.is_floating_point() else t for t in piece]
 
     def forward_walk(
         self,
@@ -257,22 +281,22 @@ class Ring:
         self.moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
         pieces = self.pieces(layout, own[0])
         travel = self.travel_dtype(own, dtype)
-        like = own[0].new_empty(0, dtype=travel)
-        for p in range(pieces):
+        like = self._like(own[0], travel)
+        for cut in layout.walk(pieces):  # each piece's rows and shapes in every chunk, computed once per layout
             index = self.rank
-            held = self._held(own, layout, layout.piece(index, p, pieces), travel)
+            rows = cut[index][0]
+            held = self._held(own, layout, rows, travel)
             for step in range(self.size):
                 last = step == self.size - 1
                 if not last:
                     following = (index - 1) % self.size
-                    incoming = self.pool.take(
-                        "weights", step % 2, layout.shapes_of(layout.piece(following, p, pieces)), like
-                    )
+                    next_rows, shapes = cut[following]
+                    incoming = self.pool.take("weights", step % 2, shapes, like)
                     pending = self.exchange(held, incoming, _WEIGHT_TAG)
-                compute(layout.piece(index, p, pieces), held)
+                compute(rows, held)
                 if not last:
                     pending.wait()
-                    index, held = following, incoming
+                    index, held, rows = following, incoming, next_rows
 
     def backward_walk(
         self,
@@ -310,27 +334,23 @@ class Ring:
                 input_grad(layout.bounds(0), own)
             return acc
         pieces = self.pieces(layout, like)
-        travel = like.new_empty(0, dtype=self.travel_dtype(own, dtype))
-        reduced = like.new_empty(0, dtype=summed)
+        travel = self._like(like, self.travel_dtype(own, dtype))
+        reduced = self._like(like, summed)
         # This rank's complete gradient is gathered in fresh memory, not in the shared pool: it
         # becomes `.grad`.
         home = [reduced.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
-        for p in range(pieces):
+        for cut in layout.walk(pieces):  # each piece's rows and shapes in every chunk, computed once per layout
             index = self.rank
-            held = (
-                self._held(own, layout, layout.piece(index, p, pieces), travel.dtype)
-                if input_grad is not None
-                else None
-            )
+            held = self._held(own, layout, cut[index][0], travel.dtype) if input_grad is not None else None
             acc = None
             for step in range(self.size):
                 last = step == self.size - 1
                 following = (index - 1) % self.size
-                rows, next_rows = layout.piece(index, p, pieces), layout.piece(following, p, pieces)
+                (rows, shapes), (next_rows, next_shapes) = cut[index], cut[following]
                 weights_pending = grads_pending = None
                 if input_grad is not None and not last:
                     assert held is not None  # held whenever input_grad is given
-                    incoming = self.pool.take("weights", step % 2, layout.shapes_of(next_rows), travel)
+                    incoming = self.pool.take("weights", step % 2, next_shapes, travel)
                     weights_pending = self.exchange(held, incoming, _WEIGHT_TAG)
                 if accumulate is not None:
                     assert home is not None  # made above whenever accumulate is given
@@ -342,12 +362,12 @@ class Ring:
                         accumulate(rows, piece, mine)
                     else:  # the others' shares travel: started at the next rank, home in N-1 hops
                         if step == 1:
-                            acc = self.pool.take("grads", 1, layout.shapes_of(rows), reduced)
+                            acc = self.pool.take("grads", 1, shapes, reduced)
                             for a in acc:
                                 a.zero_()
                         assert acc is not None  # taken at step 1
                         accumulate(rows, piece, acc)
-                        landing = self.pool.take("grads", (step + 1) % 2, layout.shapes_of(next_rows), reduced)
+                        landing = self.pool.take("grads", (step + 1) % 2, next_shapes, reduced)
                         # Sent while input_grad below runs: the transfer hides behind that matmul.
                         grads_pending = self.exchange(acc, landing, _GRAD_TAG)
                 if input_grad is not None:

@@ -36,11 +36,42 @@ class ChunkLayout:
     def rows(self) -> int:
         return self.global_shapes[0][0]
 
+    def _memo(self) -> dict:
+        """What a walk asks of the layout at every hop (bounds, pieces, shapes), computed once per layout: a layout
+        never changes (frozen), and a training step asks thousands of times (`hf-rtp bench --hop-cost`). Kept
+        beside the fields, so equality and hashing ignore it."""
+        memo = self.__dict__.get("_walk_memo")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_walk_memo", memo)
+        return memo
+
     def bounds(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < self.world_size:
+            return self._bounds(index)
+        memo = self._memo()
+        every = memo.get("bounds")
+        if every is None:
+            every = memo["bounds"] = tuple(self._bounds(i) for i in range(self.world_size))
+        return every[index]
+
+    def _bounds(self, index: int) -> tuple[int, int]:
         return chunk_rows(self.rows, self.world_size, index)
 
+    def walk(self, pieces: int) -> tuple[tuple[tuple[tuple[int, int], tuple[torch.Size, ...]], ...], ...]:
+        """`[p][index]`: piece p of chunk `index`, its global rows and the bundle's shapes for them, when every chunk
+        is cut into `pieces` (`piece`, `shapes_of`): all a walk's hops ask, once per layout."""
+        memo = self._memo()
+        known = memo.get(("walk", pieces))
+        if known is None:
+            cuts = [[self.piece(i, p, pieces) for i in range(self.world_size)] for p in range(pieces)]
+            known = memo[("walk", pieces)] = tuple(tuple((r, tuple(self.shapes_of(r))) for r in cut) for cut in cuts)
+        return known
+
     def shapes(self, index: int) -> list[torch.Size]:
-        return self.shapes_of(self.bounds(index))
+        if not 0 <= index < self.world_size:
+            return self.shapes_of(self.bounds(index))
+        return list(self.walk(1)[0][index][1])
 
     def shapes_of(self, rows: tuple[int, int]) -> list[torch.Size]:
         """Shapes of the bundle's rows [start, end)."""
@@ -56,6 +87,13 @@ class ChunkLayout:
     # The torch.chunk rule makes chunk 0 the largest chunk, and its piece 0 the largest piece.
     def pieces_for(self, max_numel: int) -> int:
         """How many pieces keep every chunk's pieces within `max_numel` elements (the same on every rank)."""
+        memo = self._memo()
+        known = memo.get(("pieces", max_numel))
+        if known is None:
+            known = memo[("pieces", max_numel)] = self._pieces_for(max_numel)
+        return known
+
+    def _pieces_for(self, max_numel: int) -> int:
         rows = self.bounds(0)[1]
         per_row = sum(math.prod(shape[1:]) for shape in self.global_shapes)
         return max(1, min(rows, math.ceil(rows / max(1, max_numel // max(1, per_row)))))
@@ -92,7 +130,7 @@ class StackedLayout(ChunkLayout):
     def _size(self, index: int) -> int:
         return sum(b - a for a, b in (m.bounds(index) for m in self.members))
 
-    def bounds(self, index: int) -> tuple[int, int]:
+    def _bounds(self, index: int) -> tuple[int, int]:
         start = sum(self._size(i) for i in range(index))
         return start, start + self._size(index)
 

@@ -47,3 +47,33 @@ def test_chunk_zero_and_its_first_piece_are_the_largest():
                 ]
                 assert layout.max_piece_numel(pieces) == max(sizes)
                 assert max(sizes) <= max(cap, 4)  # within the cap, unless one row (4 elements) is larger
+
+
+def test_what_a_walk_asks_is_computed_once_and_equals_the_rule():
+    """A walk reads each piece's rows and shapes from `walk`, computed once per layout: it must equal the torch.chunk
+    rule (`piece`, `shapes_of`) for plain and stacked layouts, uneven and empty chunks, and leave equality and hashing
+    to the fields (a layout keyed in a dict before and after a walk is the same key)."""
+    import copy
+
+    from hf_rtp.distributed.sharding import StackedLayout
+
+    cases = []
+    for rows in (1, 5, 10, 101):
+        for world in (1, 2, 3, 4, 7):
+            cases.append(ChunkLayout((torch.Size((rows, 3)), torch.Size((rows,))), world))
+            cases.append(StackedLayout.of(tuple(ChunkLayout((torch.Size((r, 3)),), world) for r in (rows, 2, rows + 3))))
+    for layout in cases:
+        twin = copy.deepcopy(layout)
+        key = hash(layout)
+        for pieces in (1, 2, 3):
+            cut = layout.walk(pieces)
+            assert layout.walk(pieces) is cut  # computed once
+            for p in range(pieces):
+                for index in range(layout.world_size):
+                    rows = twin.piece(index, p, pieces)
+                    assert cut[p][index] == (rows, tuple(twin.shapes_of(rows)))
+        for index in range(layout.world_size):
+            assert layout.bounds(index) == type(layout)._bounds(twin, index)
+            assert layout.shapes(index) == twin.shapes_of(twin.bounds(index))
+        assert layout.bounds(layout.world_size + 1) == type(layout)._bounds(twin, layout.world_size + 1)
+        assert hash(layout) == key and layout == twin and copy.deepcopy(layout) == layout
