@@ -9,10 +9,11 @@ little, so what a hop costs is mostly host time. Each rank times, in one run:
 - bare: a loop of the same exchanges (`dist.isend` / `dist.irecv` to the same neighbours, the same tensors)
   and the same matmuls, with nothing else.
 
-Each is timed in rounds that alternate walk and bare, so both see the same machine; the median round is
-reported, as microseconds per hop (a forward walk makes N-1 hops; a backward walk N-1 hops of weights and
-N-1 of gradient accumulators, counted as exchanges) and as walk / bare. What the ring adds per hop is the
-difference: the pool, its Pending objects, the closures, the checks.
+The cases take turns walk by walk, so all see the same machine; the median round is reported, as microseconds
+per hop (a forward walk makes N-1 hops; a backward walk N-1 hops of weights and N-1 of gradient accumulators,
+counted as exchanges) and as walk / bare, twice: in wall time (the peer's time and gloo's included) and in the
+calling thread's CPU time (`time.thread_time`: the host's own work per hop, the waits left out). What the ring
+adds per hop is the difference: the pool, its Pending objects, the closures, the checks.
 """
 
 from __future__ import annotations
@@ -124,21 +125,33 @@ def main(argv=None) -> None:
     for case in cases.values():  # warm: the pool's slots, gloo's pairs
         for _ in range(5):
             case()
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    wall: dict[str, list[float]] = {name: [] for name in cases}
+    host: dict[str, list[float]] = {name: [] for name in cases}
     for turn in range(args.rounds):
-        # every other round in reverse: a case that follows another's traffic is not always the same one
-        for name, case in list(cases.items())[:: 1 if turn % 2 == 0 else -1]:
-            dist.barrier(group)
-            start = time.perf_counter()
-            for _ in range(args.walks):
+        # The cases take turns walk by walk, so each sees the machine the others see (on two shared cores, gloo's
+        # threads and the other ranks make a run of one case alone faster or slower by 1.5x from one second to the
+        # next); every other round in reverse, so no case always follows the same one.
+        order = list(cases.items())[:: 1 if turn % 2 == 0 else -1]
+        spent = {name: [0.0, 0.0] for name in cases}
+        dist.barrier(group)
+        for _ in range(args.walks):
+            for name, case in order:
+                start, cpu = time.perf_counter(), time.thread_time()
                 case()
-            seconds[name].append(time.perf_counter() - start)
+                spent[name][0] += time.perf_counter() - start
+                spent[name][1] += time.thread_time() - cpu  # this thread's own time: the host's work, no waiting
+        for name, (seconds, cpu_seconds) in spent.items():
+            wall[name].append(seconds)
+            host[name].append(cpu_seconds)
     hops = {"forward": world - 1, "backward": 2 * (world - 1)}
-    per_hop = {name: statistics.median(s) / (args.walks * hops[name.split()[1]]) * 1e6 for name, s in seconds.items()}
+
+    def per_hop(rounds: dict[str, list[float]]) -> dict[str, float]:
+        return {name: statistics.median(s) / (args.walks * hops[name.split()[1]]) * 1e6 for name, s in rounds.items()}
+
     exchanges_before = ring.exchanges
     ring.forward_walk([own], layout, compute)
     ring.backward_walk([own], layout, accumulate, input_grad)
-    print(json.dumps({"rank": rank, "world_size": world, "us_per_hop": per_hop,
+    print(json.dumps({"rank": rank, "world_size": world, "us_per_hop": per_hop(wall), "cpu_us_per_hop": per_hop(host),
                       "exchanges_per_walk": ring.exchanges - exchanges_before}))  # fmt: skip
     dist.destroy_process_group()
 
@@ -155,17 +168,20 @@ def run(args, sizes: list[int]) -> dict:
             continue
         print(f"hop cost on {n} ranks ...", flush=True)
         reports = run_ranks(__name__, ["--walks", str(args.steps), "--rounds", "6"], n, timeout=args.timeout)
-        worst = {k: max(r["us_per_hop"][k] for r in reports) for k in reports[0]["us_per_hop"]}
-        rows.append({"world_size": n, "us_per_hop": worst, "exchanges_per_walk": reports[0]["exchanges_per_walk"]})
-    print("\nhost time per hop (us), the slowest rank's median round; tiny pieces over gloo")
-    print(f"{'N':>2} {'walk fwd':>9} {'bare fwd':>9} {'ratio':>6} {'walk bwd':>9} {'bare bwd':>9} {'ratio':>6}")
-    for row in rows:
-        t = row["us_per_hop"]
-        print(
-            f"{row['world_size']:>2} {t['walk forward']:9.1f} {t['bare forward']:9.1f} "
-            f"{t['walk forward'] / t['bare forward']:6.2f} {t['walk backward']:9.1f} {t['bare backward']:9.1f} "
-            f"{t['walk backward'] / t['bare backward']:6.2f}"
-        )
+        row = {"world_size": n, "exchanges_per_walk": reports[0]["exchanges_per_walk"]}
+        for key in ("us_per_hop", "cpu_us_per_hop"):
+            row[key] = {k: max(r[key][k] for r in reports) for k in reports[0][key]}  # the slowest rank's
+        rows.append(row)
+    for key, title in (("us_per_hop", "wall time"), ("cpu_us_per_hop", "the host thread's CPU time")):
+        print(f"\n{title} per hop (us), the slowest rank's median round; tiny pieces over gloo")
+        print(f"{'N':>2} {'walk fwd':>9} {'bare fwd':>9} {'ratio':>6} {'walk bwd':>9} {'bare bwd':>9} {'ratio':>6}")
+        for row in rows:
+            t = row[key]
+            print(
+                f"{row['world_size']:>2} {t['walk forward']:9.1f} {t['bare forward']:9.1f} "
+                f"{t['walk forward'] / t['bare forward']:6.2f} {t['walk backward']:9.1f} {t['bare backward']:9.1f} "
+                f"{t['walk backward'] / t['bare backward']:6.2f}"
+            )
     result = {"mode": "hop-cost", "walks_per_round": args.steps, "rows": rows}
     os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "results.json"), "w") as f:
