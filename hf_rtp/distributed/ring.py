@@ -111,6 +111,7 @@ class Ring:
                 device=self.device,
             )
         self._plain = self._watch is None and self.transport == "plain"  # posted by `exchange` itself, directly
+        self._next_in_group, self._prev_in_group = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self._hops: torch.Tensor | None = None  # the watched ring's hops so far, on the device: headers carry it
         self._tags: dict[int, torch.Tensor] = {}
         self._likes: dict[tuple, torch.Tensor] = {}
@@ -149,15 +150,18 @@ class Ring:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
         if self._plain:  # gloo on the CPU, unwatched: the messages and nothing else (the hop's host time, bench)
+            # The group's own send and recv, which dist.isend and dist.irecv call after checks that hold for the
+            # ring's whole life (its group, the peers' ranks in it, plain real tensors): made once, in __init__.
             self.exchanges += 1
             group, works = self.group, []
+            assert group is not None  # a ring of one never exchanges
             for i, t in enumerate(send):
                 if t.numel():
                     self.sent_bytes += t.numel() * t.element_size()
-                    works.append(dist.isend(t.contiguous(), self._next, group=group, tag=tag + i))
+                    works.append(group.send([t.contiguous()], self._next_in_group, tag + i))
             for i, t in enumerate(recv):
                 if t.numel():
-                    works.append(dist.irecv(t, self._prev, group=group, tag=tag + i))
+                    works.append(group.recv([t], self._prev_in_group, tag + i))
             return Pending(works)
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
@@ -337,8 +341,8 @@ class Ring:
         travel = self._like(like, self.travel_dtype(own, dtype))
         reduced = self._like(like, summed)
         # This rank's complete gradient is gathered in fresh memory, not in the shared pool: it
-        # becomes `.grad`.
-        home = [reduced.new_empty(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
+        # becomes `.grad`. Zeros, as every piece's own share is added to it.
+        home = [reduced.new_zeros(s) for s in layout.shapes(self.rank)] if accumulate is not None else None
         for cut in layout.walk(pieces):  # each piece's rows and shapes in every chunk, computed once per layout
             index = self.rank
             held = self._held(own, layout, cut[index][0], travel.dtype) if input_grad is not None else None
@@ -356,10 +360,7 @@ class Ring:
                     assert home is not None  # made above whenever accumulate is given
                     piece = held if input_grad is not None else None
                     if step == 0:  # this rank's share of its own piece's gradient stays home
-                        mine = self.own_piece(home, layout, rows)
-                        for m in mine:
-                            m.zero_()
-                        accumulate(rows, piece, mine)
+                        accumulate(rows, piece, self.own_piece(home, layout, rows))
                     else:  # the others' shares travel: started at the next rank, home in N-1 hops
                         if step == 1:
                             acc = self.pool.take("grads", 1, shapes, reduced)
