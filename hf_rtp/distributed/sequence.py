@@ -105,13 +105,13 @@ class SpanLayout(ChunkLayout):
 
     starts: tuple[int, ...] = ()
 
-    def bounds(self, index: int) -> tuple[int, int]:
+    def _bounds(self, index: int) -> tuple[int, int]:
         return self.starts[index], self.starts[index + 1]
 
     def _longest(self) -> int:
         return max(self.starts[i + 1] - self.starts[i] for i in range(self.world_size))
 
-    def pieces_for(self, max_numel: int) -> int:
+    def _pieces_for(self, max_numel: int) -> int:
         rows = self._longest()
         per_row = sum(math.prod(shape[1:]) for shape in self.global_shapes)
         return max(1, min(rows, math.ceil(rows / max(1, max_numel // max(1, per_row)))))

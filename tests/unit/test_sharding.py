@@ -55,13 +55,16 @@ def test_what_a_walk_asks_is_computed_once_and_equals_the_rule():
     to the fields (a layout keyed in a dict before and after a walk is the same key)."""
     import copy
 
+    from hf_rtp.distributed.sequence import SpanLayout
     from hf_rtp.distributed.sharding import StackedLayout
 
-    cases = []
+    cases = [SpanLayout((torch.Size((6, 3)),), 2, (0, 5, 6)), SpanLayout((torch.Size((9, 2)),), 3, (0, 0, 7, 9))]
     for rows in (1, 5, 10, 101):
         for world in (1, 2, 3, 4, 7):
             cases.append(ChunkLayout((torch.Size((rows, 3)), torch.Size((rows,))), world))
-            cases.append(StackedLayout.of(tuple(ChunkLayout((torch.Size((r, 3)),), world) for r in (rows, 2, rows + 3))))
+            cases.append(
+                StackedLayout.of(tuple(ChunkLayout((torch.Size((r, 3)),), world) for r in (rows, 2, rows + 3)))
+            )
     for layout in cases:
         twin = copy.deepcopy(layout)
         key = hash(layout)
@@ -75,5 +78,10 @@ def test_what_a_walk_asks_is_computed_once_and_equals_the_rule():
         for index in range(layout.world_size):
             assert layout.bounds(index) == type(layout)._bounds(twin, index)
             assert layout.shapes(index) == twin.shapes_of(twin.bounds(index))
-        assert layout.bounds(layout.world_size + 1) == type(layout)._bounds(twin, layout.world_size + 1)
+        if not isinstance(layout, SpanLayout):  # a span layout has no chunk past its ranks'
+            assert layout.bounds(layout.world_size + 1) == type(layout)._bounds(twin, layout.world_size + 1)
         assert hash(layout) == key and layout == twin and copy.deepcopy(layout) == layout
+    # a span layout's chunks are its ranks' token counts, not torch.chunk's
+    span = SpanLayout((torch.Size((6, 3)),), 2, (0, 5, 6))
+    assert [span.bounds(i) for i in range(2)] == [(0, 5), (5, 6)]
+    assert span.walk(2)[1][0] == ((3, 5), (torch.Size((2, 3)),))  # chunk 0's second piece: rows 3 and 4
