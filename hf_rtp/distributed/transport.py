@@ -12,8 +12,9 @@ copies.
   (`batch_isend_irecv`), or a ring of two deadlocks on a hop larger than NCCL's internal buffers. NCCL
   ignores tags and does not raise when a peer dies: the ring adds a header to each hop and a watch
   (distributed/watch.py) to keep its promises there.
-- "plain": gloo on CPU tensors. Plain isend/irecv (gloo's batched path has been seen to hang); tags keep
-  kinds of message apart, and a wait raises past the group's timeout.
+- "plain": gloo on CPU tensors. Plain sends and receives, one by one (gloo's batched path has been seen to hang),
+  on the group itself where the ring is unwatched; tags keep kinds of message apart, and a wait raises past the
+  group's timeout.
 - "staged": a backend that cannot send this device's tensors point to point (gloo on GPUs, as on Windows or
   a world started with `"cpu:gloo,cuda:gloo"`): each message is copied to host memory, sent over gloo and
   copied back. Slower (two copies per hop), never wrong.

@@ -239,5 +239,8 @@ def test_hop_cost_mode_times_a_hop_beside_a_bare_loop_of_the_same_exchanges(tmp_
     for key in ("us_per_hop", "cpu_us_per_hop"):  # wall time, and the host thread's own time
         assert set(row[key]) == {"walk forward", "bare forward", "walk backward", "bare backward"}
         assert all(t > 0 for t in row[key].values())
+        ratio = row[key.replace("us_per_hop", "ratio")]  # walk / bare within each rank, the worst rank's
+        worst = max(r[key]["walk forward"] / r[key]["bare forward"] for r in row["ranks"])
+        assert set(ratio) == {"forward", "backward"} and ratio["forward"] == worst
     printed = capsys.readouterr().out
     assert "wall time per hop" in printed and "the host thread's CPU time per hop" in printed

@@ -6,14 +6,15 @@ little, so what a hop costs is mostly host time. Each rank times, in one run:
 
 - walk: `Ring.forward_walk` with a tiny matmul per piece, and `Ring.backward_walk` with the two matmuls of a
   linear's backward (the weight's share into the travelling accumulator, the input's gradient);
-- bare: a loop of the same exchanges (`dist.isend` / `dist.irecv` to the same neighbours, the same tensors)
-  and the same matmuls, with nothing else.
+- bare: a loop of the same exchanges (the group's own `send` / `recv` to the same neighbours, the same tensors, as
+  the ring posts them on gloo) and the same matmuls, with nothing else.
 
-The cases take turns walk by walk, so all see the same machine; the median round is reported, as microseconds
-per hop (a forward walk makes N-1 hops; a backward walk N-1 hops of weights and N-1 of gradient accumulators,
-counted as exchanges) and as walk / bare, twice: in wall time (the peer's time and gloo's included) and in the
-calling thread's CPU time (`time.thread_time`: the host's own work per hop, the waits left out). What the ring
-adds per hop is the difference: the pool, its Pending objects, the closures, the checks.
+The cases take turns walk by walk, so all see the same machine, in rounds whose order is reversed every other
+round; each order's median round, the two averaged, is reported as microseconds per hop (a forward walk makes N-1
+hops; a backward walk N-1 hops of weights and N-1 of gradient accumulators, counted as exchanges) and as walk / bare
+within each rank (the worst rank's), twice: in wall time (the peer's time and gloo's included) and in the calling
+thread's CPU time (`time.thread_time`: the host's own work per hop, the waits left out). What the ring adds per hop
+is the difference: the pool, its Pending objects, the closures, the walk's arithmetic.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ ROWS, COLS, TOKENS = 8, 8, 4  # a piece of 8 x 8 float32 (256 bytes), a 4 x 8 in
 
 
 def _pair(send, recv, nxt: int, prv: int, group, tag: int) -> list:
-    """A bare hop's send to the next rank and receive from the previous one, as the ring posts them on gloo."""
-    return [dist.isend(send, nxt, group=group, tag=tag), dist.irecv(recv, prv, group=group, tag=tag)]
+    """A bare hop's send to the next rank and receive from the previous one (their ranks in `group`), as the ring
+    posts them on gloo: on the group itself, without dist.isend's checks, which the ring makes once."""
+    return [group.send([send], nxt, tag), group.recv([recv], prv, tag)]
 
 
 def _bare_forward(group, own, buffers, x, out, world, rank):
-    nxt, prv = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
     held, index = own, rank
     for step in range(world):
         last = step == world - 1
@@ -51,7 +53,7 @@ def _bare_forward(group, own, buffers, x, out, world, rank):
 
 
 def _bare_backward(group, own, buffers, grads, home, x, grad_out, grad_in, world, rank):
-    nxt, prv = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
     held, index, acc = own, rank, grads[1]
     for step in range(world):
         last = step == world - 1
@@ -130,7 +132,9 @@ def main(argv=None) -> None:
     for turn in range(args.rounds):
         # The cases take turns walk by walk, so each sees the machine the others see (on two shared cores, gloo's
         # threads and the other ranks make a run of one case alone faster or slower by 1.5x from one second to the
-        # next); every other round in reverse, so no case always follows the same one.
+        # next); every other round in reverse, so no case always follows the same one. A rank's wait for its peer to
+        # finish the case before is charged to the next case, so each order's rounds are summarised apart, and the
+        # two orders averaged (per_hop).
         order = list(cases.items())[:: 1 if turn % 2 == 0 else -1]
         spent = {name: [0.0, 0.0] for name in cases}
         dist.barrier(group)
@@ -146,7 +150,13 @@ def main(argv=None) -> None:
     hops = {"forward": world - 1, "backward": 2 * (world - 1)}
 
     def per_hop(rounds: dict[str, list[float]]) -> dict[str, float]:
-        return {name: statistics.median(s) / (args.walks * hops[name.split()[1]]) * 1e6 for name, s in rounds.items()}
+        """Microseconds per hop: the median round of each order, the two orders' mean."""
+        return {
+            name: statistics.mean(statistics.median(s[o::2]) for o in (0, 1))
+            / (args.walks * hops[name.split()[1]])
+            * 1e6
+            for name, s in rounds.items()
+        }
 
     exchanges_before = ring.exchanges
     ring.forward_walk([own], layout, compute)
@@ -168,19 +178,24 @@ def run(args, sizes: list[int]) -> dict:
             continue
         print(f"hop cost on {n} ranks ...", flush=True)
         reports = run_ranks(__name__, ["--walks", str(args.steps), "--rounds", "6"], n, timeout=args.timeout)
-        row = {"world_size": n, "exchanges_per_walk": reports[0]["exchanges_per_walk"]}
+        row: dict = {"world_size": n, "exchanges_per_walk": reports[0]["exchanges_per_walk"], "ranks": reports}
         for key in ("us_per_hop", "cpu_us_per_hop"):
             row[key] = {k: max(r[key][k] for r in reports) for k in reports[0][key]}  # the slowest rank's
+            # walk / bare within each rank (one rank's walk is never divided by another's bare), the worst rank's
+            row[key.replace("us_per_hop", "ratio")] = {
+                way: max(r[key][f"walk {way}"] / r[key][f"bare {way}"] for r in reports)
+                for way in ("forward", "backward")
+            }
         rows.append(row)
     for key, title in (("us_per_hop", "wall time"), ("cpu_us_per_hop", "the host thread's CPU time")):
-        print(f"\n{title} per hop (us), the slowest rank's median round; tiny pieces over gloo")
+        ratio = key.replace("us_per_hop", "ratio")
+        print(f"\n{title} per hop (us), the slowest rank's; walk / bare, the worst rank's; tiny pieces over gloo")
         print(f"{'N':>2} {'walk fwd':>9} {'bare fwd':>9} {'ratio':>6} {'walk bwd':>9} {'bare bwd':>9} {'ratio':>6}")
         for row in rows:
-            t = row[key]
+            t, q = row[key], row[ratio]
             print(
-                f"{row['world_size']:>2} {t['walk forward']:9.1f} {t['bare forward']:9.1f} "
-                f"{t['walk forward'] / t['bare forward']:6.2f} {t['walk backward']:9.1f} {t['bare backward']:9.1f} "
-                f"{t['walk backward'] / t['bare backward']:6.2f}"
+                f"{row['world_size']:>2} {t['walk forward']:9.1f} {t['bare forward']:9.1f} {q['forward']:6.2f} "
+                f"{t['walk backward']:9.1f} {t['bare backward']:9.1f} {q['backward']:6.2f}"
             )
     result = {"mode": "hop-cost", "walks_per_round": args.steps, "rows": rows}
     os.makedirs(args.output, exist_ok=True)
