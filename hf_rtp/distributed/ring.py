@@ -156,11 +156,12 @@ class Ring:
             group, works = self.group, []
             assert group is not None  # a ring of one never exchanges
             for i, t in enumerate(send):
-                if t.numel():
-                    self.sent_bytes += t.numel() * t.element_size()
+                nbytes = t.nbytes
+                if nbytes:
+                    self.sent_bytes += nbytes
                     works.append(group.send([t.contiguous()], self._next_in_group, tag + i))
             for i, t in enumerate(recv):
-                if t.numel():
+                if t.nbytes:
                     works.append(group.recv([t], self._prev_in_group, tag + i))
             return Pending(works)
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
