@@ -11,7 +11,7 @@ class Pending:
     """Communication in flight; `wait` names a failure as CollectiveMisuseError instead of gloo/NCCL's words, then
     runs `after` (the ring's: a staged message copied to the device, a watched hop's header compared)."""
 
-    __slots__ = ("_works", "_what", "_after", "_failed")  # one per hop: made and read thousands of times a step
+    __slots__ = ("_after", "_failed", "_what", "_works")  # one per hop: made and read thousands of times a step
 
     def __init__(
         self,
