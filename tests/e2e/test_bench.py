@@ -242,5 +242,6 @@ def test_hop_cost_mode_times_a_hop_beside_a_bare_loop_of_the_same_exchanges(tmp_
         ratio = row[key.replace("us_per_hop", "ratio")]  # walk / bare within each rank, the worst rank's
         worst = max(r[key]["walk forward"] / r[key]["bare forward"] for r in row["ranks"])
         assert set(ratio) == {"forward", "backward"} and ratio["forward"] == worst
+    assert all("rss_samples" not in r for r in row["ranks"])  # a results file of timings, not of memory samples
     printed = capsys.readouterr().out
     assert "wall time per hop" in printed and "the host thread's CPU time per hop" in printed

@@ -91,8 +91,10 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--walks", type=int, default=200, help="walks per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6, help="rounds, each order in turn: at least 2")
     args = p.parse_args(argv)
+    if args.rounds < 2:
+        p.error("--rounds must be 2 or more: every other round runs the cases in reverse, and each order is summarised")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -178,6 +180,7 @@ def run(args, sizes: list[int]) -> dict:
             continue
         print(f"hop cost on {n} ranks ...", flush=True)
         reports = run_ranks(__name__, ["--walks", str(args.steps), "--rounds", "6"], n, timeout=args.timeout)
+        reports = [{k: v for k, v in r.items() if k != "rss_samples"} for r in reports]  # memory is not this mode's
         row: dict = {"world_size": n, "exchanges_per_walk": reports[0]["exchanges_per_walk"], "ranks": reports}
         for key in ("us_per_hop", "cpu_us_per_hop"):
             row[key] = {k: max(r[key][k] for r in reports) for k in reports[0][key]}  # the slowest rank's
