@@ -37,8 +37,9 @@ from .pending import Pending
 from .pool import BufferPool
 from .replicas import ReplicaSum
 from .sharding import ChunkLayout
-from .token_walk import OUTPUT_TAG, TOKEN_TAG, Bundle, Rows
+from .token_walk import OUTPUT_TAG, TOKEN_GRAD_TAG, TOKEN_TAG, Bundle, Rows
 from .token_walk import token_walk as _token_walk
+from .token_walk import visit_walk as _visit_walk
 from .traffic import Traffic
 from .transport import Transport, transport_for
 from .watch import Watch
@@ -47,7 +48,13 @@ _CPU = torch.device("cpu")
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
-_KINDS = {_WEIGHT_TAG: "weights", _GRAD_TAG: "gradients", TOKEN_TAG: "tokens", OUTPUT_TAG: "outputs"}
+_KINDS = {
+    _WEIGHT_TAG: "weights",
+    _GRAD_TAG: "gradients",
+    TOKEN_GRAD_TAG: "tokens' gradients",
+    TOKEN_TAG: "tokens",
+    OUTPUT_TAG: "outputs",
+}
 # After the watch names a failure on NCCL, how long the script has to reach the ring again (and raise it) before the
 # watch ends the process; the ring's NCCL group waits this much longer than HF_RTP_TIMEOUT, so NCCL's watchdog,
 # which would abort with a message about a SEND or RECV, never comes first (topology.py).
@@ -404,6 +411,8 @@ class Ring:
 
     # a forward that moves the tokens instead of the weights: distributed/token_walk.py says how
     token_walk = _token_walk
+    # a backward whose products stay where they are made (an embedding's weight gradient): the tokens visit each rank
+    visit_walk = _visit_walk
 
     def collect(self, own: torch.Tensor, layout: ChunkLayout, rows: Rows | None = None) -> Iterator[torch.Tensor]:
         """Stream rows [start, end) of a dim-0-sharded tensor (all by default) to ring rank 0, in order.

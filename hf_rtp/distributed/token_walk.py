@@ -30,6 +30,7 @@ Bundle = Sequence[torch.Tensor]
 Rows = tuple[int, int]
 TOKEN_TAG = 192
 OUTPUT_TAG = 224
+TOKEN_GRAD_TAG = 96  # visit_walk's hops: tokens with their output gradients
 # a token walk's count checked on the device where this rank did not read it (_largest); under CUDA's 255
 _UNREAD_SHORT = (
     "hf_rtp: a rotated op{weights} saw more tokens on some rank than its forward's ranks agreed on; this rank did "
@@ -82,9 +83,13 @@ def token_walk(
     compute: Callable[[Bundle, torch.Tensor, Rows, Bundle], None],
     bound: int,
     brought: int | None = None,
+    blank: Callable[[torch.Tensor], None] | None = None,
+    fold: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> int | None:
     """Move the tokens instead of the weights: `compute(tokens, out, rows, chunk)` adds this rank's chunk's
     share of the output of `tokens` into `out` (zeros where it has none: other rows, other experts).
+    An output that is not a sum of the chunks' shares (the fused loss's log-sum-exp) says how its accumulator
+    starts (`blank`, zeros by default) and how the one that came home joins `out` (`fold(out, acc)`, added).
 
     `tokens` are this rank's token tensors (dim 0: its t tokens); they travel padded to `bound` rows with
     `fill` (one value per tensor, chosen to contribute nothing), so every rank knows what it receives
@@ -118,7 +123,7 @@ def token_walk(
     # the identities recorded when the tokens moved, not the held tensors' own now: those share the caller's
     # version counter, so an in-place change since would go unseen
     if moved is not None and moved[2] == bound and moved[1] == ids:
-        _walk_outputs(ring, moved[3], out, compute, rows, held, tokens, count, bound)
+        _walk_outputs(ring, moved[3], out, compute, rows, held, tokens, count, bound, blank, fold)
         return None
     fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void
     reads = count > bound or brought is None or count > brought
@@ -147,7 +152,7 @@ def token_walk(
     pending.wait()
     *others, seen = _views(arrivals[0], specs)
     acc = acc_region.view(out.dtype).view(bound, *out.shape[1:])
-    acc.zero_()
+    (blank or torch.Tensor.zero_)(acc)
     seen_tokens: list[Bundle] = []
     for step in range(1, ring.size):
         seen_tokens.append(others)
@@ -165,7 +170,7 @@ def token_walk(
     largest = _largest(ring, most, reads, layout, bound, count)  # every rank's, after N-1 token hops
     if largest > bound:
         return largest
-    out.add_(acc[:count])
+    (fold or torch.Tensor.add_)(out, acc[:count])
     ring.moved = (tuple(tokens), ids, bound, seen_tokens)  # held: their memory cannot become other tokens
     return None
 
@@ -188,7 +193,9 @@ def _largest(ring: Hops, most: torch.Tensor, reads: bool, layout: ChunkLayout, b
     return largest
 
 
-def _walk_outputs(ring: Hops, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound) -> None:
+def _walk_outputs(
+    ring: Hops, seen: list[Bundle], out, compute, rows: Rows, held: Bundle, tokens, count, bound, blank, fold
+) -> None:
     """token_walk for tokens every rank already holds from the op before (`seen`: the others', in the order
     they arrived): only the accumulators travel, on tags of their own, so ranks that disagree on whether the
     tokens are held wait and fail by the timeout instead of reading one message as another."""
@@ -197,13 +204,40 @@ def _walk_outputs(ring: Hops, seen: list[Bundle], out, compute, rows: Rows, held
     regions = _carve(ring, 0, [math.prod(shape) * out.element_size()] * 2, out)  # slot 1 holds `seen`
     buffers = [r.view(out.dtype).view(shape) for r in regions]
     acc = buffers[0]
-    acc.zero_()
+    (blank or torch.Tensor.zero_)(acc)
     for step, others in enumerate(seen, 1):
         compute(others, acc, rows, held)
         landing = buffers[step % 2]
         ring.exchange([acc], [landing], OUTPUT_TAG).wait()
         acc = landing
-    out.add_(acc[:count])
+    (fold or torch.Tensor.add_)(out, acc[:count])
+
+
+def visit_walk(ring: Hops, tokens: Bundle, fill: Sequence[float], bound: int, visit: Callable[[Bundle], None]) -> None:
+    """Every rank's tokens visit every rank, and nothing goes home: `visit(tokens)` runs on this rank's own tokens,
+    then on each other rank's as they arrive, N-1 hops (a backward whose products all stay where they are made: an
+    embedding's weight gradient, which a chunk's rank adds up from every rank's ids and output gradients, where the
+    weights' walk would move a travelling accumulator of the whole chunk). The tokens travel padded to `bound` rows
+    with `fill`, as in token_walk; every rank's count is at most `bound` (its forward walked with that bound), so
+    nothing is read on the host. Each hop sends on what arrived at the hop before while this rank visits it."""
+    if ring.size == 1:
+        visit(tokens)
+        return
+    ring.moved = None  # the weights' slots, where the last tokens that moved are kept, are overwritten
+    specs = [((bound, *t.shape[1:]), t.dtype) for t in tokens]
+    size = _message_bytes(specs)
+    like = next((t for t in tokens if t.is_floating_point()), tokens[0])  # what the slots are sized by
+    slots = [_carve(ring, slot, [size], like)[0] for slot in (0, 1)]
+    count = tokens[0].shape[0]
+    for view, t, f in zip(_views(slots[0], specs), tokens, fill, strict=True):
+        view[:count] = t
+        view[count:] = f
+    for step in range(1, ring.size):
+        sending, landing = slots[(step - 1) % 2], slots[step % 2]
+        pending = ring.exchange([sending], [landing], TOKEN_GRAD_TAG)
+        visit(tokens if step == 1 else _views(sending, specs))  # this rank's own first, then what came last hop
+        pending.wait()
+    visit(_views(slots[(ring.size - 1) % 2], specs))
 
 
 def _carve(ring: Hops, slot: int, sizes: Sequence[int], like: torch.Tensor) -> list[torch.Tensor]:

@@ -69,7 +69,9 @@ def rotate_forward(
     dtype: torch.dtype | None = None,
     backward: bool = False,
     head: bool = False,
-) -> None:
+    blank: Callable[[torch.Tensor], None] | None = None,
+    fold: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> int | None:
     """Fill `out` [tokens, ...] with an op's output for `tokens` (each [tokens, ...]): `compute(tokens, out,
     rows, chunk)` writes or adds the share of the chunk holding `rows`, zeros elsewhere.
 
@@ -83,19 +85,25 @@ def rotate_forward(
     `backward`: the op's backward reads what `compute` leaves of this rank's tokens beside `out` (the
     experts' activations), so the tokens move only when no rank's forward records gradients. `head`: an LM
     head, which generate calls on each sequence's last token: its walk starts at the most sequences a rank has.
+    `blank` and `fold`: how an output that is not a sum of the chunks' shares starts and joins (token_walk), where
+    `out` starts as `blank` leaves it. Returns the rows each rank's tokens travelled in, or None: the weights walked
+    (every rank alike, so a backward may follow the same way: layers/embedding.py).
     """
     weight_bytes = sum(math.prod(s) for s in layout.global_shapes) // ring.size * own[0].element_size()
     bound = token_bound(ring, weight_bytes, tokens, out, head=head, backward=backward)
     most = brought(ring, head)
     while bound is not None:
-        out.zero_()
+        (blank or torch.Tensor.zero_)(out)
         # None: done; else the most tokens any rank brought, more than `bound`: decide again by that bound
-        largest = ring.token_walk(own, layout, tokens, fill, out, compute, bound, most)
+        largest = ring.token_walk(own, layout, tokens, fill, out, compute, bound, most, blank, fold)
         if largest is None:
-            return
+            return bound
         # no rank brings more than the largest to the next walk: it reads no count on the host
         bound, most = token_bound(ring, weight_bytes, tokens, out, bound=largest), largest
+        if bound is None:  # the weights walk after all: into `out` as the caller gave it, not the void walk's share
+            (blank or torch.Tensor.zero_)(out)
     ring.forward_walk(own, layout, lambda rows, chunk: compute(tokens, out, rows, chunk), dtype=dtype)
+    return None
 
 
 def token_bound(

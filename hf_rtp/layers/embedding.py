@@ -1,7 +1,10 @@
 """nn.Embedding cut by vocabulary: each held chunk looks up the ids inside its range (sum).
 
 Ranges are disjoint, so "sum" is a masked write. Backward needs no weights, only the travelling
-gradient accumulator, so the embedding's weights do not rotate a second time.
+gradient accumulator, so the embedding's weights do not rotate a second time. Where the forward moved the
+tokens instead (few tokens: distributed/traffic.py), backward moves them too, with their output gradients:
+each rank adds up its own chunk's gradient from every rank's tokens as they visit (Ring.visit_walk), N-1
+hops of the tokens' gradients in place of N-1 hops of the chunk's accumulator, in pieces.
 
 Which of a rank's tokens a piece holds is data, and selecting them by a boolean mask reads its size on
 the host (on CUDA, a wait for the device) at every piece, forward and backward: 2 x pieces x ranks reads
@@ -101,9 +104,9 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
             looked = F.embedding(_folded(given, start, end), chunk[0])
             torch.where(hit.unsqueeze(-1), looked, out, out=out)  # ranges are disjoint: zeros where it hits
 
-        rotate_forward(ring, [weight], layout, [flat], [-1], out.view(-1, out.shape[-1]), compute)
+        moved = rotate_forward(ring, [weight], layout, [flat], [-1], out.view(-1, out.shape[-1]), compute)
         ctx.save_for_backward(ids, weight)
-        ctx.ring, ctx.layout, ctx.padding_idx = ring, layout, padding_idx
+        ctx.ring, ctx.layout, ctx.padding_idx, ctx.moved = ring, layout, padding_idx, moved
         ctx.partition = partition[0] if partition else None
         return out
 
@@ -130,10 +133,29 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
             acc[0].index_add_(0, _folded(flat_ids, start, end), torch.where(hit, g, 0).to(acc[0].dtype))
 
         landed = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.moved is not None:
+            landed = [_visited(ctx.ring, layout, weight, flat_ids, g, ctx.moved)]
+        elif ctx.needs_input_grad[1]:
             landed = ctx.ring.backward_walk([weight], layout, accumulate, None)
         grad_weight, _ = finish_weight_grads(ctx, landed, ctx.ring, (weight,))
         return None, grad_weight, None, None, None
+
+
+def _visited(ring: Ring, layout: ChunkLayout, weight, ids: torch.Tensor, g: torch.Tensor, bound: int) -> torch.Tensor:
+    """This rank's chunk's summed gradient, added up here from every rank's ids and output gradients as they visit
+    (Ring.visit_walk): where the forward moved the tokens (every rank did, padded to the same `bound`), their
+    gradients are smaller than the chunk, and none of them has to come home."""
+    start, end = layout.bounds(ring.rank)
+    home = weight.new_zeros(weight.shape, dtype=ring.reduce_dtype or weight.dtype)
+
+    def visit(tokens):
+        given, grads = tokens
+        if end > start:  # an empty chunk (uneven chunks) holds no token's row
+            hit = _in_range(given, start, end).unsqueeze(-1)  # the padding's -1 is in no chunk's range
+            home.index_add_(0, _folded(given, start, end), torch.where(hit, grads, 0).to(home.dtype))
+
+    ring.visit_walk([ids, g], [-1, 0.0], bound, visit)
+    return home if home.dtype == weight.dtype else home.to(weight.dtype)
 
 
 class RotatedEmbedding(nn.Embedding):
