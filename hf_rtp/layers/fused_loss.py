@@ -8,6 +8,12 @@ tokens x rows, so at most one tile of logits (16 MiB on a CPU) exists at once. N
 rank's loss is its own batch's, and the head's gradient arrives home summed over ranks, as for any
 rotated weight.
 
+Where a step's tokens are few (distributed/traffic.py, as for any rotated op), the tokens travel instead
+of the head: forward each rank folds its own chunk's logits of every rank's hidden states into their
+statistics, which travel home; backward the hidden states travel again with their log-sum-exps and loss
+gradients, each rank's chunk gradient is complete where it is made, and the hidden states' gradient goes
+home. No piece of the head moves in such a step (TRL's statistics still walk the weights).
+
 The math is transformers' ForCausalLMLoss: logits in the head's compute dtype, the family's own
 transform (`HeadTransform`) in that dtype too, then float32 for the softmax. For TRL's fused head it is
 TRL's kernel instead: the family's transform on the float32 logits, then TRL's temperature; and, as
@@ -24,7 +30,7 @@ import torch.nn.functional as F
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
-from .common import add_matmul, finish_weight_grads
+from .common import add_matmul, finish_weight_grads, rotate_forward
 
 BLOCK_BYTES = 16 * 2**20
 """float32 logits one tile may hold on a CPU: a few cache-sized tiles"""
@@ -174,12 +180,14 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)  # an entropy logged but not trained on costs no backward term
         tokens, device = h.shape[0], h.device
-        lse = torch.full((tokens,), -math.inf, dtype=torch.float32, device=device)
-        picked = torch.zeros(tokens, dtype=torch.float32, device=device)
+        stats = torch.empty(tokens, 2, dtype=torch.float32, device=device)  # [log-sum-exp, target logit] per token
+        _blank(stats)
         running = _Running(tokens, device, extras) if extras else None
 
-        def compute(rows, piece):
-            for r0, _, b0, b1, z, inside, column in _piece_blocks(h, targets, rows, piece, transform):
+        def compute(given, out, rows, piece):
+            hh, tt = given
+            lse, picked = out[:, 0], out[:, 1]
+            for r0, _, b0, b1, z, inside, column in _piece_blocks(hh, tt, rows, piece, transform):
                 lse[b0:b1] = torch.logaddexp(lse[b0:b1], torch.logsumexp(z, dim=1))
                 picked[b0:b1] = torch.where(inside, z.gather(1, column).squeeze(1), picked[b0:b1])
                 if running is not None:
@@ -187,10 +195,22 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
 
         bundle = [weight] if bias is None else [weight, bias]
         with torch.autocast(device.type, enabled=False):
-            ring.forward_walk(bundle, layout, compute, dtype=h.dtype)
+            # few tokens: they travel instead of the head (rotate_forward decides, every rank alike), where backward's
+            # larger message fits a slot too
+            traffic = ring.traffic
+            if running is None and traffic is not None and _tokens_fit(ring, h, traffic.bound):
+                moved = rotate_forward(
+                    ring, bundle, layout, [h, targets], [0.0, -1], stats, compute, h.dtype, blank=_blank, fold=_fold
+                )
+            else:  # and TRL's statistics fold in vocabulary order within a piece: the weights walk for them
+                moved = None
+                ring.forward_walk(
+                    bundle, layout, lambda rows, piece: compute([h, targets], stats, rows, piece), h.dtype
+                )
+        lse, picked = stats[:, 0].contiguous(), stats[:, 1]
         entropy, log_sum_sq, mean, top1 = [None] * 4 if running is None else running.results(targets, layout.rows)
         ctx.save_for_backward(h, weight, bias, targets, lse, entropy)
-        ctx.ring, ctx.layout, ctx.transform = ring, layout, transform
+        ctx.ring, ctx.layout, ctx.transform, ctx.moved = ring, layout, transform, moved
         ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean, top1) if x is not None))
         return lse - picked, entropy, log_sum_sq, mean, top1
 
@@ -203,6 +223,9 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
         grad_entropy = None if grad_entropy is None else grad_entropy.float()
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+
+        if ctx.moved is not None and _tokens_fit(ring, h, ctx.moved):  # never with TRL's statistics: no entropy
+            return _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants_weight_grad)
 
         def through_piece(rows, piece, acc):
             """Recompute this piece's logits tile by tile; add to grad_h and to the travelling `acc`."""
@@ -237,6 +260,62 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
             )
         grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
         return grad_h, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _blank(stats: torch.Tensor) -> None:
+    """Where a token's statistics start: no logit folded into its log-sum-exp, no target logit found."""
+    stats[:, 0].fill_(-math.inf)
+    stats[:, 1].zero_()
+
+
+def _fold(stats: torch.Tensor, arrived: torch.Tensor) -> None:
+    """The other ranks' statistics of this rank's tokens, come home (token_walk), joined to its own."""
+    torch.logaddexp(stats[:, 0], arrived[:, 0], out=stats[:, 0])
+    stats[:, 1].add_(arrived[:, 1])  # one chunk holds each target: the others' found nothing
+
+
+def _tokens_fit(ring: Ring, h: torch.Tensor, bound: int) -> bool:
+    """Whether backward's token walk (the hidden states with their targets, log-sum-exps and loss gradients, and
+    the hidden states' travelling gradient) fits a weights' slot as token_bound reckons one: from numbers every rank
+    shares (`bound`, the hidden size and dtype, the pool's plan), so every rank walks the same way. The forward asks
+    first, so its token walk, with smaller messages, fits too; backward asks again, for a forward whose walk learned
+    of more tokens than its ranks agreed on and walked again with that larger bound."""
+    row = 2 * h.shape[1] * h.element_size() + 8 + 4 + 4
+    return bound * (row + 8) * max(ring.size - 1, 3) + 64 <= ring.slot_bytes(h)
+
+
+def _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants_weight_grad):
+    """Backward where the forward moved the tokens: they travel again, with their log-sum-exps and loss gradients,
+    and each rank recomputes its chunk's logits of every rank's tokens. The chunk's weight gradient is complete
+    where it is made, and the hidden states' gradient travels home (token_walk): no piece of the head moves."""
+    ring, layout, transform = ctx.ring, ctx.layout, ctx.transform
+    summed = ring.reduce_dtype or weight.dtype
+    homes = [t.new_zeros(t.shape, dtype=summed) for t in (weight, bias) if t is not None] if wants_weight_grad else []
+
+    def compute(given, out, rows, piece):
+        hh, tt, ll, gg = given
+        for r0, r1, b0, b1, z, inside, column in _piece_blocks(hh, tt, rows, piece, transform):
+            g = gg[b0:b1]
+            dz = (z - ll[b0:b1, None]).exp_().mul_(g[:, None])  # softmax * upstream grad
+            dz.scatter_add_(1, column, -(g * inside).unsqueeze(1))  # minus the one-hot target
+            dl = transform.backward(dz, z).to(hh.dtype)
+            if homes:
+                add_matmul(homes[0][r0:r1], dl.t(), hh[b0:b1])
+                if bias is not None:
+                    homes[1][r0:r1].add_(dl.sum(0).to(summed))
+            out[b0:b1].addmm_(dl, piece[0][r0:r1].to(hh.dtype))
+
+    out = grad_h if grad_h is not None else torch.zeros_like(h)
+    bundle = [weight] if bias is None else [weight, bias]
+    with torch.autocast(h.device.type, enabled=False):
+        # every rank's count is at most the forward's bound, which it brought: no count is read on the host
+        walked = ring.token_walk(
+            bundle, layout, [h, targets, lse, grad_loss], [0.0, -1, 0.0, 0.0], out, compute, ctx.moved, ctx.moved
+        )
+    assert walked is None  # the forward's walk already saw every rank's count within the bound
+    landed = [t if t.dtype == weight.dtype else t.to(weight.dtype) for t in homes] if homes else None
+    grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
+    return grad_h, grad_weight, grad_bias, None, None, None, None, None
 
 
 def fused_cross_entropy(

@@ -1,0 +1,110 @@
+"""Where a training forward moves the tokens instead of the weights (few tokens: distributed/traffic.py), the
+embedding's and the fused LM head's backward move the tokens too: the embedding's tokens visit every rank with
+their output gradients, each rank adding up its own chunk's gradient (Ring.visit_walk, N-1 hops); the head's
+travel with their log-sum-exps and loss gradients, and their hidden states' gradient comes home (N hops). No
+piece of either, and no accumulator of either, walks the ring in backward.
+
+Each case loads with rotation_moves="activations" (at these tiny shapes "auto" would walk the weights) and a
+vocabulary large enough that a step's tokens fit the weights' slots. Loss, every gradient and one AdamW step
+are compared with vanilla on the global batch (DDP's mean), in float64; beside them, the kinds of hop the
+ring made. Llama with a padding row (vanilla never updates it), tied at 3 ranks (uneven chunks, both uses of
+one weight), Phi's biased head, Gemma 2's logit softcap and scaled embedding; and in 20 KB pieces, where the
+head's tokens would not fit a slot, its weights walk, forward and backward, beside the embedding's tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from support.compare import GRAD_ATOL, GRAD_RTOL, STEP_ATOL, adamw, assert_matches
+from support.models import global_batch, make_tiny
+from support.spawn import run_on_ranks
+from support.zoo import zoo_config
+
+VOCAB = 1009  # prime, as the suite's: uneven chunks; large enough that the tokens fit the weights' slots
+PAD = 5
+
+CASES = {  # name: (family, ranks, rotation_piece_size, head's backward moves tokens)
+    "llama-2": ("llama", 2, "16MB", True),
+    "llama-tied-3": ("llama-tied", 3, "16MB", True),
+    "phi-biased-head-2": ("phi", 2, "16MB", True),
+    "gemma2-softcap-3": ("gemma2", 3, "16MB", True),
+    "llama-20KB-pieces-2": ("llama", 2, "20KB", False),
+}
+
+
+def _checkpoint(family: str, path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    if family.startswith("llama"):
+        return make_tiny("llama", path, tied=family == "llama-tied", vocab_size=VOCAB, pad_token_id=PAD)
+    config = zoo_config(family)
+    config.vocab_size, config.pad_token_id = VOCAB, PAD
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _step(ckpt, piece_size, plan):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.distributed.ring import Ring
+
+    torch.manual_seed(0)
+    model = hf_rtp.from_pretrained(
+        ckpt, dtype=torch.float64, rotation_moves="activations", rotation_piece_size=piece_size, plan=plan
+    ).train()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).train()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = global_batch(world, batch=2, seq=9)
+    batches[:, 0, :2] = PAD
+    assert model.get_input_embeddings().padding_idx == PAD
+
+    tags: list[int] = []
+    exchange = Ring.exchange
+
+    def recorded(self, send, recv, tag):  # the real hop, its kind noted
+        tags.append(tag)
+        return exchange(self, send, recv, tag)
+
+    Ring.exchange = recorded
+    try:
+        out = model(input_ids=batches[rank], labels=batches[rank])
+        forward = Counter(tags)
+        tags.clear()
+        out.loss.backward()
+        backward = Counter(tags)
+    finally:
+        Ring.exchange = exchange
+    ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+    torch.testing.assert_close(out.loss, ref_losses[rank], atol=1e-8, rtol=1e-6)
+    hf_rtp.sync_grads(model)
+    torch.stack(ref_losses).mean().backward()
+    assert_matches(model, ref, world, rank, "grad", atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    assert model.get_input_embeddings().weight.grad is not None
+    for optimizer in adamw(model, ref):
+        optimizer.step()
+    assert_matches(model, ref, world, rank, "param", atol=STEP_ATOL)
+    return forward, backward
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_embedding_and_head_backward_move_the_tokens_the_forward_moved(tmp_path, case):
+    from hf_rtp.distributed.token_walk import TOKEN_GRAD_TAG, TOKEN_TAG
+
+    family, world, piece_size, head_moves = CASES[case]
+    ckpt = _checkpoint(family, tmp_path / "ckpt")
+    plan = "auto" if family == "phi" else None  # Phi has no registered plan
+    for forward, backward in run_on_ranks(_step, world, ckpt, piece_size, plan):
+        assert forward[TOKEN_TAG] > 0, forward  # the forward moved tokens
+        assert backward[TOKEN_GRAD_TAG] == world - 1, backward  # the embedding's tokens visited every rank once
+        # the head's tokens walked out (N-1 hops) and their gradient home (1), or the head's weights walked
+        assert backward[TOKEN_TAG] == (world if head_moves else 0), backward
