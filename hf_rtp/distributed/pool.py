@@ -79,6 +79,10 @@ class BufferPool:
         """
         self._planned[like.device] = max(self._planned.get(like.device, 0), numel)
 
+    def planned_bytes(self, like: torch.Tensor) -> int:
+        """What a slot first taken for `like` holds at least: the largest piece in the dtype it travels in."""
+        return self._planned.get(like.device, 0) * _matmul_itemsize(like)
+
     def planned(self, device: torch.device) -> int:
         """The largest piece's elements planned for `device`'s slots (0 before any layer planned)."""
         return self._planned.get(device, 0)

@@ -398,8 +398,9 @@ class Ring:
 
     def slot_bytes(self, like: torch.Tensor) -> int:
         """What a weights' slot holds for a layer of `like`'s dtype (BufferPool.plan): the most a token walk may
-        use of each of the two."""
-        return self.pool.planned(like.device) * like.element_size()
+        use of each of the two. Under autocast a float32 tensor's slot is sized in the autocast dtype, as the pool
+        sizes it (a float32 embedding's lookup beside bf16 matmuls): reckoned in float32 it would seem twice as big."""
+        return self.pool.planned_bytes(like)
 
     most_tokens: int | None = None
     """The most tokens any rank brought to the last forward (model/traffic.py; None where a rank's inputs were not

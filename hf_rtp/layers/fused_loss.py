@@ -198,7 +198,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
             # few tokens: they travel instead of the head (rotate_forward decides, every rank alike), where backward's
             # larger message fits a slot too
             traffic = ring.traffic
-            if running is None and traffic is not None and _tokens_fit(ring, h, traffic.bound):
+            if running is None and traffic is not None and _tokens_fit(ring, h, weight, traffic.bound):
                 moved = rotate_forward(
                     ring, bundle, layout, [h, targets], [0.0, -1], stats, compute, h.dtype, blank=_blank, fold=_fold
                 )
@@ -224,7 +224,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
-        if ctx.moved is not None and _tokens_fit(ring, h, ctx.moved):  # never with TRL's statistics: no entropy
+        if ctx.moved is not None and _tokens_fit(ring, h, weight, ctx.moved):  # never with TRL's statistics: no entropy
             return _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants_weight_grad)
 
         def through_piece(rows, piece, acc):
@@ -274,14 +274,17 @@ def _fold(stats: torch.Tensor, arrived: torch.Tensor) -> None:
     stats[:, 1].add_(arrived[:, 1])  # one chunk holds each target: the others' found nothing
 
 
-def _tokens_fit(ring: Ring, h: torch.Tensor, bound: int) -> bool:
+def _tokens_fit(ring: Ring, h: torch.Tensor, weight: torch.Tensor, bound: int) -> bool:
     """Whether backward's token walk (the hidden states with their targets, log-sum-exps and loss gradients, and
     the hidden states' travelling gradient) fits a weights' slot as token_bound reckons one: from numbers every rank
     shares (`bound`, the hidden size and dtype, the pool's plan), so every rank walks the same way. The forward asks
     first, so its token walk, with smaller messages, fits too; backward asks again, for a forward whose walk learned
     of more tokens than its ranks agreed on and walked again with that larger bound."""
     row = 2 * h.shape[1] * h.element_size() + 8 + 4 + 4
-    return bound * (row + 8) * max(ring.size - 1, 3) + 64 <= ring.slot_bytes(h)
+    # a slot holds the largest piece in what the weights travel in (the narrower of theirs and the hidden states'),
+    # not in the hidden states' dtype: TRL's float32 head over bf16 weights has half the bytes it would reckon
+    slot = ring.pool.planned(h.device) * ring.travel_dtype([weight], h.dtype).itemsize
+    return bound * (row + 8) * max(ring.size - 1, 3) + 64 <= slot
 
 
 def _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants_weight_grad):
@@ -303,16 +306,20 @@ def _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants
                 add_matmul(homes[0][r0:r1], dl.t(), hh[b0:b1])
                 if bias is not None:
                     homes[1][r0:r1].add_(dl.sum(0).to(summed))
-            out[b0:b1].addmm_(dl, piece[0][r0:r1].to(hh.dtype))
+            if grad_h is not None:  # else the zeros still travel home: every rank walks alike
+                out[b0:b1].addmm_(dl, piece[0][r0:r1].to(hh.dtype))
 
     out = grad_h if grad_h is not None else torch.zeros_like(h)
     bundle = [weight] if bias is None else [weight, bias]
     with torch.autocast(h.device.type, enabled=False):
         # every rank's count is at most the forward's bound, which it brought: no count is read on the host
+        # padding rows: a log-sum-exp of +inf makes their probabilities exactly 0, whatever their logits (a large
+        # bias): exp(z - 0) * 0 would be NaN where exp overflows, and NaN times their zero hidden state too
         walked = ring.token_walk(
-            bundle, layout, [h, targets, lse, grad_loss], [0.0, -1, 0.0, 0.0], out, compute, ctx.moved, ctx.moved
+            bundle, layout, [h, targets, lse, grad_loss], [0.0, -1, math.inf, 0.0], out, compute, ctx.moved, ctx.moved
         )
     assert walked is None  # the forward's walk already saw every rank's count within the bound
+    ring.moved = None  # no later op walks these tokens: the ring need not keep them
     landed = [t if t.dtype == weight.dtype else t.to(weight.dtype) for t in homes] if homes else None
     grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
     return grad_h, grad_weight, grad_bias, None, None, None, None, None

@@ -5,11 +5,13 @@ travel with their log-sum-exps and loss gradients, and their hidden states' grad
 piece of either, and no accumulator of either, walks the ring in backward.
 
 Each case loads with rotation_moves="activations" (at these tiny shapes "auto" would walk the weights) and a
-vocabulary large enough that a step's tokens fit the weights' slots. Loss, every gradient and one AdamW step
-are compared with vanilla on the global batch (DDP's mean), in float64; beside them, the kinds of hop the
-ring made. Llama with a padding row (vanilla never updates it), tied at 3 ranks (uneven chunks, both uses of
-one weight), Phi's biased head, Gemma 2's logit softcap and scaled embedding; and in 20 KB pieces, where the
-head's tokens would not fit a slot, its weights walk, forward and backward, beside the embedding's tokens.
+vocabulary large enough that a step's tokens fit the weights' slots. Ranks bring sequences of different lengths
+(the shorter travel padded) with a label ignored mid-sequence. Loss, every gradient and one AdamW step are
+compared with vanilla on the global batch (DDP's mean), in float64; beside them, the kinds of hop the ring made,
+and that no weights' slot grew beyond the plan to hold a token message. Llama with a padding row (vanilla never
+updates it), tied at 3 ranks (uneven chunks, both uses of one weight), Phi's biased head (its bias raised by 90: a
+padding row's logits would overflow exp), Gemma 2's logit softcap and scaled embedding; and in 20 KB pieces, where
+the head's tokens would not fit a slot, its weights walk, forward and backward, beside the embedding's tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from support.zoo import zoo_config
 
 VOCAB = 1009  # prime, as the suite's: uneven chunks; large enough that the tokens fit the weights' slots
 PAD = 5
+WEIGHTS_TAG = 0  # distributed/ring.py's hops of weight pieces
 
 CASES = {  # name: (family, ranks, rotation_piece_size, head's backward moves tokens)
     "llama-2": ("llama", 2, "16MB", True),
@@ -47,6 +50,8 @@ def _checkpoint(family: str, path) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        if family == "phi":  # the softmax does not move; exp(logit) of a padding row overflows float32
+            model.lm_head.bias.add_(90.0)
     model.save_pretrained(path)
     return str(path)
 
@@ -57,6 +62,7 @@ def _step(ckpt, piece_size, plan):
 
     import hf_rtp
     from hf_rtp.distributed.ring import Ring
+    from hf_rtp.model.state import state_of
 
     torch.manual_seed(0)
     model = hf_rtp.from_pretrained(
@@ -64,8 +70,12 @@ def _step(ckpt, piece_size, plan):
     ).train()
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).train()
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = global_batch(world, batch=2, seq=9)
-    batches[:, 0, :2] = PAD
+    batches = [b[:, : 9 - r] for r, b in enumerate(global_batch(world, batch=2, seq=9))]  # rank 0 brings the most
+    labels = []
+    for b in batches:
+        b[0, :2] = PAD
+        labels.append(b.clone())
+        labels[-1][1, 3] = -100
     assert model.get_input_embeddings().padding_idx == PAD
 
     tags: list[int] = []
@@ -77,14 +87,14 @@ def _step(ckpt, piece_size, plan):
 
     Ring.exchange = recorded
     try:
-        out = model(input_ids=batches[rank], labels=batches[rank])
+        out = model(input_ids=batches[rank], labels=labels[rank])
         forward = Counter(tags)
         tags.clear()
         out.loss.backward()
         backward = Counter(tags)
     finally:
         Ring.exchange = exchange
-    ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+    ref_losses = [ref(input_ids=b, labels=lab).loss for b, lab in zip(batches, labels, strict=True)]
     torch.testing.assert_close(out.loss, ref_losses[rank], atol=1e-8, rtol=1e-6)
     hf_rtp.sync_grads(model)
     torch.stack(ref_losses).mean().backward()
@@ -93,7 +103,9 @@ def _step(ckpt, piece_size, plan):
     for optimizer in adamw(model, ref):
         optimizer.step()
     assert_matches(model, ref, world, rank, "param", atol=STEP_ATOL)
-    return forward, backward
+    pool = state_of(model).topology.ring.pool
+    slots = [b.numel() for b in pool.buffers("weights")]
+    return forward, backward, slots, pool.planned(torch.device("cpu")) * 8
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -103,8 +115,10 @@ def test_embedding_and_head_backward_move_the_tokens_the_forward_moved(tmp_path,
     family, world, piece_size, head_moves = CASES[case]
     ckpt = _checkpoint(family, tmp_path / "ckpt")
     plan = "auto" if family == "phi" else None  # Phi has no registered plan
-    for forward, backward in run_on_ranks(_step, world, ckpt, piece_size, plan):
-        assert forward[TOKEN_TAG] > 0, forward  # the forward moved tokens
+    for forward, backward, slots, planned in run_on_ranks(_step, world, ckpt, piece_size, plan):
+        # every op moved tokens in forward (rotation_moves="activations"), or the head walked its weights
+        assert forward[TOKEN_TAG] > 0 and (forward[WEIGHTS_TAG] == 0) == head_moves, forward
         assert backward[TOKEN_GRAD_TAG] == world - 1, backward  # the embedding's tokens visited every rank once
         # the head's tokens walked out (N-1 hops) and their gradient home (1), or the head's weights walked
         assert backward[TOKEN_TAG] == (world if head_moves else 0), backward
+        assert slots and max(slots) <= planned, (slots, planned)  # float64: 8 bytes per planned element

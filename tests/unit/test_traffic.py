@@ -64,3 +64,20 @@ def test_the_text_tokens_count_beside_what_moves_cannot_count():
 )
 def test_an_op_moves_tokens_when_they_cost_less_and_fit_the_weight_slots(moves, weights, bound, held, expected):
     assert Traffic(bound, 1, moves, False).moves_tokens(bound, weights, 100, held, 1000, 2) is expected
+
+
+def test_a_weights_slot_is_reckoned_in_the_dtype_that_fills_it():
+    """A slot holds the largest planned piece in what it travels in (distributed/pool.py). Reckoned in a wider
+    dtype (a float32 lookup under bf16 autocast, TRL's float32 hidden states beside a bf16 head) it would seem
+    twice as big, and a token message that fit that reckoning would regrow both slots for good."""
+    from hf_rtp.layers.fused_loss import _tokens_fit
+
+    ring = Ring(None)
+    ring.pool.plan(1000, torch.zeros(1, dtype=torch.bfloat16))
+    assert ring.slot_bytes(torch.zeros(1)) == 4000
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ring.slot_bytes(torch.zeros(1)) == 2000
+    head = torch.zeros(10, 8, dtype=torch.bfloat16)
+    # the head's backward per token: 2 x 8 float32 + 16 bytes, 8 more, room for 3 hops: 264 bytes, and 64
+    assert _tokens_fit(ring, torch.zeros(7, 8), head, 7)  # 1912 bytes <= 2000
+    assert not _tokens_fit(ring, torch.zeros(8, 8), head, 8)  # 2176 bytes: more than 2000, though under 4000
