@@ -11,6 +11,8 @@ and finished as each member's own would be (layers/common.py's finish_weight_gra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -19,12 +21,39 @@ from ..distributed.sharding import StackedLayout
 from .common import finish_weight_grads, rotate_forward
 from .linear import walk_backward
 
-_FIXED = 4  # the Function's inputs before the members' weights: x, ring, layout, columns
+_FIXED = 4  # the Function's inputs before the members' weights: x, ring, layout, spans
+
+Spans = tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def member_spans(layout: StackedLayout) -> tuple[Spans, ...]:
+    """Each member's columns of the stacked output as runs [start, end), in its own order: one run per chunk
+    (StackedLayout.columns, made contiguous). A copy by slices runs at memory speed, where indexing the last
+    dimension by a column tensor (index_select, index_copy_) gathered element by element: 7 ms for a 2 MB output
+    of llama-90m's gate and up, 12 of them a step, on this project's CPU."""
+    spans = []
+    for m in range(len(layout.members)):
+        runs: list[list[int]] = []
+        for column in layout.columns(m):
+            if runs and runs[-1][1] == column:
+                runs[-1][1] += 1
+            else:
+                runs.append([column, column + 1])
+        spans.append(tuple((a, b) for a, b in runs))
+    return tuple(spans)
+
+
+def _gathered(out: torch.Tensor, spans: Spans) -> torch.Tensor:
+    """A member's columns of `out`, a new tensor (not a view of `out`)."""
+    if len(spans) == 1:
+        return out[..., spans[0][0] : spans[0][1]].clone(memory_format=torch.contiguous_format)
+    return torch.cat([out[..., a:b] for a, b in spans], dim=-1)
 
 
 class _StackedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ring: Ring, layout: StackedLayout, columns: list[torch.Tensor], *params):
+    def forward(ctx, x, ring: Ring, layout: StackedLayout, spans: tuple[Spans, ...], *params):
         count = len(layout.members)
         weights, biases = params[:count], params[count:]
         out = x.new_empty(*x.shape[:-1], layout.rows)
@@ -36,9 +65,9 @@ class _StackedLinearFn(torch.autograd.Function):
             own = _own(weights, biases)
             flat = out.view(-1, layout.rows)
             rotate_forward(ring, own, layout, [x.reshape(-1, x.shape[-1])], [0.0], flat, compute, x.dtype)
-            outputs = tuple(out.index_select(-1, cols) for cols in columns)  # new tensors, not views of `out`
+            outputs = tuple(_gathered(out, member) for member in spans)  # new tensors, not views of `out`
         ctx.save_for_backward(x, *params)
-        ctx.ring, ctx.layout, ctx.columns, ctx.count = ring, layout, columns, count
+        ctx.ring, ctx.layout, ctx.spans, ctx.count = ring, layout, spans, count
         return outputs
 
     @staticmethod
@@ -48,10 +77,15 @@ class _StackedLinearFn(torch.autograd.Function):
         weights, biases = params[:count], params[count:]
         tokens = x.reshape(-1, x.shape[-1]).shape[0]
         like = next((g for g in grad_outs if g is not None), None)
-        g2 = x.new_zeros(tokens, layout.rows, dtype=like.dtype if like is not None else x.dtype)
-        for cols, g in zip(ctx.columns, grad_outs, strict=True):
+        make = x.new_empty if all(g is not None for g in grad_outs) else x.new_zeros  # every column written, or 0
+        g2 = make(tokens, layout.rows, dtype=like.dtype if like is not None else x.dtype)
+        for member, g in zip(ctx.spans, grad_outs, strict=True):
             if g is not None:  # an output nothing used: no gradient, zeros
-                g2.index_copy_(1, cols, g.reshape(tokens, g.shape[-1]))  # tokens may be 0 (an empty tile)
+                g = g.reshape(tokens, g.shape[-1])  # tokens may be 0 (an empty tile)
+                at = 0
+                for a, b in member:
+                    g2[:, a:b] = g[:, at : at + b - a]
+                    at += b - a
         grad_x, landed = walk_backward(ctx, _own(weights, biases), x, g2)
         sizes = layout.own_sizes(ring.rank)
         split = [t.split(sizes) for t in landed] if landed is not None else None
@@ -79,11 +113,9 @@ def stacked_linear(
     x: torch.Tensor,
     ring: Ring,
     layout: StackedLayout,
-    columns: list[torch.Tensor],
     weights: list[torch.Tensor],
     biases: list[torch.Tensor] | None,
 ) -> tuple[torch.Tensor, ...]:
     """Every member's `F.linear(x, weight, bias)` by one walk: `weights` and `biases` are this rank's chunks
-    (layers.common.local), `columns` each member's rows of the stacked output (StackedLayout.columns, on x's
-    device)."""
-    return _StackedLinearFn.apply(x, ring, layout, columns, *weights, *(biases or []))
+    (layers.common.local)."""
+    return _StackedLinearFn.apply(x, ring, layout, member_spans(layout), *weights, *(biases or []))
