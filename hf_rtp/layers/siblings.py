@@ -111,10 +111,6 @@ class Siblings:
         layout = self._stacks.get(group)
         if layout is None:
             layout = self._stacks[group] = StackedLayout.of(tuple(m.layout for m in modules))
-        columns = self._columns.get((group, x.device))
-        if columns is None:
-            columns = [torch.tensor(layout.columns(m), device=x.device) for m in range(len(modules))]
-            self._columns[(group, x.device)] = columns
         weights = [local(m.weight) for m in modules]
         kinds = {(type(m), getattr(m, "spec", None), m.bias is None) for m in modules}
         if len({(w.dtype, w.device, w.shape[1:]) for w in weights}) > 1 or len(kinds) > 1:  # changed since grouped
@@ -126,6 +122,10 @@ class Siblings:
                 + ". Replacing a rotated linear or its weight after loading is not supported"
             )
         if hasattr(modules[0], "walk_rows"):  # quantized: its kind's own Function over the stacked packed rows
+            columns = self._columns.get((group, x.device))
+            if columns is None:
+                columns = [torch.tensor(layout.columns(m), device=x.device) for m in range(len(modules))]
+                self._columns[(group, x.device)] = columns
             order = self._orders.get((group, x.device))
             if order is None:
                 order = self._orders[(group, x.device)] = torch.argsort(torch.cat(columns))

@@ -44,6 +44,20 @@ def member_spans(layout: StackedLayout) -> tuple[Spans, ...]:
     return tuple(spans)
 
 
+@functools.lru_cache(maxsize=64)
+def _in_stacked_order(spans: tuple[Spans, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Every member's runs in the stacked output's column order: (member, start in the member's own columns, width),
+    so one torch.cat of its gradients' slices is the stacked gradient (one copy, where a copy per run launches
+    members x ranks kernels on a GPU)."""
+    runs = []
+    for m, member in enumerate(spans):
+        at = 0
+        for a, b in member:
+            runs.append((a, m, at, b - a))
+            at += b - a
+    return tuple((m, at, width) for _, m, at, width in sorted(runs))
+
+
 def _gathered(out: torch.Tensor, spans: Spans) -> torch.Tensor:
     """A member's columns of `out`, a new tensor (not a view of `out`)."""
     if len(spans) == 1:
@@ -77,15 +91,14 @@ class _StackedLinearFn(torch.autograd.Function):
         weights, biases = params[:count], params[count:]
         tokens = x.reshape(-1, x.shape[-1]).shape[0]
         like = next((g for g in grad_outs if g is not None), None)
-        make = x.new_empty if all(g is not None for g in grad_outs) else x.new_zeros  # every column written, or 0
-        g2 = make(tokens, layout.rows, dtype=like.dtype if like is not None else x.dtype)
-        for member, g in zip(ctx.spans, grad_outs, strict=True):
-            if g is not None:  # an output nothing used: no gradient, zeros
-                g = g.reshape(tokens, g.shape[-1])  # tokens may be 0 (an empty tile)
-                at = 0
-                for a, b in member:
-                    g2[:, a:b] = g[:, at : at + b - a]
-                    at += b - a
+        dtype = like.dtype if like is not None else x.dtype
+        member_grads = [  # an output nothing used: no gradient, zeros; tokens may be 0 (an empty tile)
+            g.reshape(tokens, g.shape[-1])
+            if g is not None
+            else x.new_zeros(tokens, sum(b - a for a, b in member), dtype=dtype)
+            for member, g in zip(ctx.spans, grad_outs, strict=True)
+        ]
+        g2 = torch.cat([member_grads[m][:, at : at + width] for m, at, width in _in_stacked_order(ctx.spans)], dim=1)
         grad_x, landed = walk_backward(ctx, _own(weights, biases), x, g2)
         sizes = layout.own_sizes(ring.rank)
         split = [t.split(sizes) for t in landed] if landed is not None else None

@@ -11,6 +11,7 @@ import gc
 import weakref
 
 import torch
+import torch.nn.functional as F
 from support.spawn import run_on_ranks
 from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconLinear
@@ -226,3 +227,25 @@ def test_stacked_outputs_take_in_place_ops_and_inference_mode_walks_alone():
         y = torch.randn(2, 3, HIDDEN, dtype=torch.float64)
         for name in ("q_proj", "k_proj", "v_proj"):
             torch.testing.assert_close(block.get_submodule(name)(y), vanilla.get_submodule(name)(y), rtol=0, atol=0)
+
+
+def test_a_stacked_output_nothing_used_gets_zeros_and_the_others_their_exact_gradients():
+    """layers/stacked.py's backward builds the stacked output gradient from each member's slices; an output
+    nothing used has no gradient (None) and stands as zeros, so the other members' gradients are F.linear's."""
+    from hf_rtp.distributed.sharding import ChunkLayout, StackedLayout
+    from hf_rtp.layers.stacked import stacked_linear
+
+    torch.manual_seed(0)
+    weights = [torch.randn(rows, 6, dtype=torch.float64, requires_grad=True) for rows in (5, 3, 4)]
+    x = torch.randn(2, 7, 6, dtype=torch.float64, requires_grad=True)
+    layout = StackedLayout.of(tuple(ChunkLayout((w.shape,), 1) for w in weights))
+    outputs = stacked_linear(x, Ring(None), layout, weights, None)
+    (outputs[0].square().sum() + outputs[2].sum()).backward()  # outputs[1] unused
+    got = [x.grad, *(w.grad for w in weights)]
+    for t in (x, *weights):
+        t.grad = None
+    (
+        F.linear(x, weights[0]).square().sum() + F.linear(x, weights[2]).sum() + 0 * F.linear(x, weights[1]).sum()
+    ).backward()
+    for mine, theirs in zip(got, [x.grad, *(w.grad for w in weights)], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
