@@ -205,7 +205,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
             else:  # and TRL's statistics fold in vocabulary order within a piece: the weights walk for them
                 moved = None
                 ring.forward_walk(
-                    bundle, layout, lambda rows, piece: compute([h, targets], stats, rows, piece), h.dtype
+                    bundle, layout, lambda rows, piece: compute([h, targets], stats, rows, piece), dtype=h.dtype
                 )
         lse, picked = stats[:, 0].contiguous(), stats[:, 1]
         entropy, log_sum_sq, mean, top1 = [None] * 4 if running is None else running.results(targets, layout.rows)
