@@ -16,11 +16,12 @@ the head's tokens would not fit a slot, its weights walk, forward and backward, 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
 import torch
-from support.compare import GRAD_ATOL, GRAD_RTOL, STEP_ATOL, adamw, assert_matches
+from support.compare import GRAD_ATOL, GRAD_RTOL, STEP_ATOL, adamw, assert_matches, trainable_grad_gaps
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
 from support.zoo import zoo_config
@@ -122,3 +123,57 @@ def test_embedding_and_head_backward_move_the_tokens_the_forward_moved(tmp_path,
         # the head's tokens walked out (N-1 hops) and their gradient home (1), or the head's weights walked
         assert backward[TOKEN_TAG] == (world if head_moves else 0), backward
         assert slots and max(slots) <= planned, (slots, planned)  # float64: 8 bytes per planned element
+
+
+def _lora_step(ckpt):
+    from peft import LoraConfig, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.distributed.ring import Ring
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves="activations")
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+
+    def adapted(m):
+        torch.manual_seed(0)  # the same adapters on both
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj"])
+        return get_peft_model(m, config).train()
+
+    model, vanilla = adapted(model), adapted(vanilla)
+    ddp = DistributedDataParallel(vanilla)
+    tags: list[int] = []
+    exchange = Ring.exchange
+
+    def recorded(self, send, recv, tag):
+        tags.append(tag)
+        return exchange(self, send, recv, tag)
+
+    batch = global_batch(2, seed=3)[rank]
+    Ring.exchange = recorded
+    try:
+        loss = model(input_ids=batch, labels=batch).loss
+        tags.clear()
+        loss.backward()
+    finally:
+        Ring.exchange = exchange
+    ddp(input_ids=batch, labels=batch).loss.backward()
+    hf_rtp.sync_grads(model)
+    return trainable_grad_gaps(model, vanilla), Counter(tags)
+
+
+def test_a_frozen_head_and_embedding_move_tokens_for_the_adapters_gradients(tmp_path):
+    """LoRA (PEFT) on q_proj: the head and the embedding are frozen. The head's backward still moves the tokens,
+    for the hidden states' gradient only; the frozen embedding's backward does not walk at all. The adapters'
+    gradients are vanilla PEFT's under DDP."""
+    from hf_rtp.distributed.token_walk import TOKEN_GRAD_TAG, TOKEN_TAG
+
+    ckpt = make_tiny("llama", tmp_path / "ckpt", vocab_size=VOCAB)
+    for gaps, backward in run_on_ranks(_lora_step, 2, ckpt):
+        assert sum("lora_A" in name for name in gaps) == 2, sorted(gaps)
+        for name, (difference, largest) in gaps.items():
+            assert largest > 0 and difference <= 1e-8 + 1e-6 * largest, (name, difference, largest)
+        assert backward[TOKEN_GRAD_TAG] == 0, backward  # a frozen embedding's gradient is not made
+        assert backward[TOKEN_TAG] == 2, backward  # the head's tokens out and their hidden gradient home
