@@ -211,6 +211,46 @@ def test_a_training_step_and_a_decode_step_wait_for_the_device_no_more_than_vani
         assert any(place.startswith("model/fused_head.py") for _, _, place in found["train fused_loss=True"]), rank
 
 
+def _step_moving_tokens(ckpt):
+    """A training step whose embedding and fused head move the tokens, forward and backward (rotation_moves
+    "activations", a vocabulary whose chunk leaves the tokens room in the slots), beside vanilla's."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.token_walk import TOKEN_GRAD_TAG
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    batch = global_batch(world)[rank]
+    found = {
+        "train vanilla": _trained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).train(), batch, False)
+    }
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves="activations").train()
+    tags: list[int] = []
+    exchange = Ring.exchange
+
+    def recorded(self, send, recv, tag):
+        tags.append(tag)
+        return exchange(self, send, recv, tag)
+
+    Ring.exchange = recorded
+    try:
+        found["train activations"] = _trained(model, batch, rotated=True)
+    finally:
+        Ring.exchange = exchange
+    # the embedding's tokens visited; weights walked only in the layers' backward, each with its gradients (a head
+    # walking its weights forward would add a weights hop alone; test_tokens_in_backward.py counts each way)
+    assert tags.count(TOKEN_GRAD_TAG) == world - 1 and tags.count(0) == tags.count(64), tags
+    return {case: dict(counts) for case, counts in found.items()}
+
+
+def test_a_training_step_that_moves_its_tokens_waits_for_the_device_no_more_than_vanilla(tmp_path):
+    """The embedding's visiting gradients and the fused head's token walks, forward and backward, read nothing."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt", vocab_size=1009)
+    for rank, found in enumerate(run_on_ranks(_step_moving_tokens, 2, ckpt)):
+        assert not _unexpected(found, {}), (rank, _unexpected(found, {}))
+
+
 def _many_tokens(ckpt):
     """A training step on enough tokens that the embedding sorts them (tokens x pieces > _FEW): what it reads on
     the host, and its gradient's and output's distance from vanilla's (DDP's mean over both ranks' batches)."""
