@@ -43,6 +43,13 @@ def _folded(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return torch.remainder(ids - start, end - start)
 
 
+def _add_held(acc: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, start: int, end: int) -> None:
+    """Add the gradients `g` of the tokens `ids` whose rows [start, end) holds into `acc` (those rows), no read on the
+    host: folded ids spread the misses' zeros over the rows, so no one row takes them all (CUDA atomics)."""
+    hit = _in_range(ids, start, end).unsqueeze(-1)
+    acc.index_add_(0, _folded(ids, start, end), torch.where(hit, g, 0).to(acc.dtype))
+
+
 # Tokens x pieces up to which every piece looks up every token (no read on the host): at a 4096-wide float32
 # embedding about 200 us of a GPU's memory bandwidth, a read's cost; beyond, the sorted partition costs less.
 _FEW = 4096
@@ -128,9 +135,7 @@ class _RotatedEmbeddingFn(torch.autograd.Function):
                 where, held = found
                 acc[0].index_add_(0, held - start, g.index_select(0, where).to(acc[0].dtype))
                 return
-            hit = _in_range(flat_ids, start, end).unsqueeze(-1)
-            # folded ids spread the misses' zeros over the piece's rows: no one row takes them all (CUDA atomics)
-            acc[0].index_add_(0, _folded(flat_ids, start, end), torch.where(hit, g, 0).to(acc[0].dtype))
+            _add_held(acc[0], flat_ids, g, start, end)
 
         landed = None
         if ctx.needs_input_grad[1] and ctx.moved is not None:
@@ -149,10 +154,9 @@ def _visited(ring: Ring, layout: ChunkLayout, weight, ids: torch.Tensor, g: torc
     home = weight.new_zeros(weight.shape, dtype=ring.reduce_dtype or weight.dtype)
 
     def visit(tokens):
-        given, grads = tokens
         if end > start:  # an empty chunk (uneven chunks) holds no token's row
-            hit = _in_range(given, start, end).unsqueeze(-1)  # the padding's -1 is in no chunk's range
-            home.index_add_(0, _folded(given, start, end), torch.where(hit, grads, 0).to(home.dtype))
+            given, grads = tokens
+            _add_held(home, given, grads, start, end)  # the padding's -1 is in no chunk's range
 
     ring.visit_walk([ids, g], [-1, 0.0], bound, visit)
     return home if home.dtype == weight.dtype else home.to(weight.dtype)
