@@ -177,3 +177,39 @@ def test_a_frozen_head_and_embedding_move_tokens_for_the_adapters_gradients(tmp_
             assert largest > 0 and difference <= 1e-8 + 1e-6 * largest, (name, difference, largest)
         assert backward[TOKEN_GRAD_TAG] == 0, backward  # a frozen embedding's gradient is not made
         assert backward[TOKEN_TAG] == 2, backward  # the head's tokens out and their hidden gradient home
+
+
+def _autocast_grads(ckpt):
+    import hf_rtp
+    from hf_rtp.model.state import state_of
+
+    rank = int(os.environ["RANK"])
+    batch = global_batch(2, seed=5)[rank]
+    found = {}
+    for moves in ("activations", "weights"):
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rotation_moves=moves).train()
+        ring = state_of(model).topology.ring
+        walks = ring.token_walks
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in model.named_parameters()}
+        slots = [b.numel() for b in ring.pool.buffers("weights")]
+        found[moves] = (loss.item(), grads, ring.token_walks - walks, slots, ring.pool.planned(torch.device("cpu")))
+    (loss_t, grads_t, walks_t, slots_t, planned), (loss_w, grads_w, walks_w, _, _) = (
+        found["activations"],
+        found["weights"],
+    )
+    assert walks_t > 0 and walks_w == 0, (walks_t, walks_w)
+    assert max(slots_t) <= planned * 2, (slots_t, planned)  # bf16 travel: 2 bytes per planned element
+    assert abs(loss_t - loss_w) <= 1e-2 * abs(loss_w), (loss_t, loss_w)
+    for name, g in grads_t.items():  # bf16 matmuls summed in another order: bf16-sized differences only
+        torch.testing.assert_close(g, grads_w[name], atol=2e-3, rtol=5e-2, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_under_bf16_autocast_moving_tokens_trains_as_walking_weights(tmp_path):
+    """One setting away: float32 weights under bf16 autocast, where the hidden states travel in bf16 and the slots
+    hold bf16 pieces. Loss and every gradient match the same step with the weights walking, to bf16's precision,
+    and no weight slot grows past its bf16 plan."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt", vocab_size=VOCAB)
+    run_on_ranks(_autocast_grads, 2, ckpt)
