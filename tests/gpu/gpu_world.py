@@ -13,14 +13,19 @@ The world is the one .ci/gpu chose (HF_RTP_TEST_BACKEND):
   each message through host memory (distributed/transport.py's "staged").
 
 `python tests/gpu/gpu_world.py FILE` prints the versions and the choice (.ci/gpu's first stage) and writes the
-variables to export to FILE, one NAME=value a line.
+variables to export to FILE, one NAME=value a line. Before it chooses the NCCL world it tries it (`probe`): two
+ranks on cuda:0 all-reduce and exchange 64 MiB each way (above NCCL's buffers, so a send posted alone would
+block) within a minute. If that fails, the check says why, exits 1, and the later stages run in the gloo world,
+so one broken NCCL does not cost every stage's result.
 """
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 import sys
+import time
 from datetime import timedelta
 
 NCCL_WORLD = "cpu:gloo,cuda:nccl"
@@ -100,6 +105,78 @@ def join_world(backend: str | None = None):
     return device
 
 
+PROBE_ELEMENTS = 16 * 2**20  # float32: 64 MiB, many times NCCL's buffers (NCCL_BUFFSIZE: 4 MiB by default)
+
+
+def _probe_rank(rank: int, port: int, errors) -> None:
+    """One rank of `probe`: the NCCL world on cuda:0, an all-reduce, then one ring hop each way posted together."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group(NCCL_WORLD, timeout=timedelta(seconds=TIMEOUT_S), device_id=device)
+        total = torch.full((4,), float(rank + 1), device=device)
+        dist.all_reduce(total)
+        send = torch.full((PROBE_ELEMENTS,), float(rank), device=device)
+        recv = torch.empty_like(send)
+        peer = 1 - rank
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        torch.cuda.synchronize()
+        got = (total.tolist(), recv.min().item(), recv.max().item())
+        if got != ([3.0] * 4, float(peer), float(peer)):
+            raise RuntimeError(f"wrong values: all_reduce {got[0]}, received between {got[1]} and {got[2]}")
+        dist.destroy_process_group()
+        errors.put((rank, None))
+    except BaseException as err:  # the parent reports it, then runs the gloo world
+        errors.put((rank, f"{type(err).__name__}: {err}"))
+
+
+def probe(timeout_s: float = 90.0) -> str | None:
+    """None where two ranks on cuda:0 run NCCL's multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1), else what went
+    wrong. Spawned (the parent has started CUDA), killed when they overrun."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    before = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")
+    os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # read when NCCL initialises, in the ranks
+    try:
+        procs = [ctx.Process(target=_probe_rank, args=(rank, port, errors)) for rank in range(2)]
+        for p in procs:
+            p.start()
+    finally:
+        if before is None:
+            os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE")
+        else:
+            os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = before
+    deadline, outcome = time.monotonic() + timeout_s, {}
+    while len(outcome) < 2 and time.monotonic() < deadline:
+        try:
+            rank, error = errors.get(timeout=1.0)
+            outcome[rank] = error
+        except Exception:  # queue.Empty: look whether a rank died without a word
+            dead = [p.exitcode for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+            if dead:
+                outcome.setdefault(-1, f"a rank exited without a result (exit codes {dead})")
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if len(outcome) < 2 and -1 not in outcome:
+        return f"no result within {timeout_s:.0f} s (a hang)"
+    failed = [f"rank {r}: {e}" if r >= 0 else e for r, e in sorted(outcome.items()) if e]
+    return "; ".join(failed) or None
+
+
 def _dotted(version) -> str:
     return "unreadable" if version is None else ".".join(map(str, version))
 
@@ -139,7 +216,18 @@ def report() -> dict[str, str]:
         print("NCCL mapped: no libnccl file (linked into torch: the built one)")
         versions = [built] if isinstance(built, tuple) and len(built) == 3 else []
     chosen = {**choose(versions), **_overridden()}
-    print("two ranks on GPU 0: " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    if "nccl" in chosen["HF_RTP_TEST_BACKEND"]:
+        started = time.monotonic()
+        failure = probe()
+        if failure is None:
+            print(
+                f"NCCL's multi-rank mode on GPU 0: two ranks all-reduced and swapped 64 MiB in "
+                f"{time.monotonic() - started:.1f} s"
+            )
+        else:
+            print(f"FAILED: two ranks on GPU 0 in {NCCL_WORLD} with NCCL_MULTI_RANK_GPU_ENABLE=1: {failure}")
+            chosen = {"HF_RTP_TEST_BACKEND": GLOO_WORLD, "PROBE_FAILED": "1"}
+    print("two ranks on GPU 0: " + ", ".join(f"{k}={v}" for k, v in chosen.items() if k != "PROBE_FAILED"))
     return chosen
 
 
@@ -152,6 +240,8 @@ def _overridden() -> dict[str, str]:
 if __name__ == "__main__":
     # python tests/gpu/gpu_world.py [FILE]: the report on stdout; the chosen variables in FILE, NAME=value a line
     chosen = report()
+    failed = chosen.pop("PROBE_FAILED", None)
     if sys.argv[1:]:
         with open(sys.argv[1], "w") as out:
             out.write("".join(f"{k}={v}\n" for k, v in chosen.items()))
+    sys.exit(1 if failed else 0)  # the later stages run in the gloo world; this stage fails

@@ -1,0 +1,137 @@
+"""The ring over NCCL on one GPU (docs/reliability.md, "On GPUs over NCCL"): what the CPU tests of
+tests/distributed/test_ring_transports.py show over gloo, here where NCCL's own semantics apply. Runs only in the
+NCCL world .ci/gpu chose (NCCL 2.30 or newer, NCCL_MULTI_RANK_GPU_ENABLE=1); skipped in the gloo world, where
+the ring stages its hops through host memory and those CPU tests already cover it.
+
+- A world started with no backend (`get_backend()` says 'undefined') gets the "batched" transport, watched: a
+  hop of 64 MiB each way at 2 ranks (a send posted alone blocks until the peer's receive is posted, beyond
+  NCCL's buffers) arrives whole and in time, and a rotated linear's output and gradients equal vanilla's.
+- Walks that disagree (one rank sends weights where the other sends gradients, same shapes: NCCL ignores tags)
+  fail with hf_rtp's error on both ranks, from the hop headers.
+- A hop nobody answers is named (the neighbour's global rank, HF_RTP_TIMEOUT) within the watch's timeout, while
+  the host waits on nothing: NCCL's `work.wait()` does not raise when a peer is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from gpu_world import NCCL_WORLD, NO_CUDA
+from support.spawn import run_on_ranks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(150),  # the three scenarios run in the first test's fixture: more than .ci/gpu's --timeout 60
+    pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
+    pytest.mark.skipif(
+        os.environ.get("HF_RTP_TEST_BACKEND") != NCCL_WORLD,
+        reason="needs the NCCL world (.ci/gpu picks it with NCCL 2.30 or newer); the gloo world's ring is staged",
+    ),
+]
+
+BIG = 16 * 2**20  # float32 elements: 64 MiB a hop
+
+
+def _wait_for_failure(ring, seconds: float) -> float:
+    started = time.monotonic()
+    while ring._watch.failure is None and time.monotonic() - started < seconds:
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _nccl_scenarios():
+    """The three scenarios of the docstring, each on a group of its own (a failure aborts its group)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hf_rtp.distributed.ring import _GRAD_TAG, _WEIGHT_TAG, Ring
+    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.errors import CollectiveMisuseError
+    from hf_rtp.layers.linear import _RotatedLinearFn
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(timeout=timedelta(seconds=60), device_id=device)  # no backend: torch's default pair
+    rank, out = dist.get_rank(), {"backend": dist.get_backend()}
+
+    ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=30.0)
+    out["transport"], out["watched"] = ring.transport, ring._watch is not None
+    send = torch.full((BIG,), float(rank + 1), device=device)
+    recv = torch.empty_like(send)
+    started = time.monotonic()
+    ring.exchange([send], [recv], _WEIGHT_TAG).wait()
+    torch.cuda.synchronize()
+    out["big_hop_s"] = time.monotonic() - started
+    out["big_hop"] = (recv.min().item(), recv.max().item())
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(10, 6, generator=gen), torch.randn(10, generator=gen)
+    x = torch.randn(3, 4, 6, generator=gen)[rank::2].contiguous().to(device).requires_grad_()
+    layout = ChunkLayout((weight.shape, bias.shape), 2)
+    lo, hi = layout.bounds(rank)
+    w = weight[lo:hi].to(device).requires_grad_()
+    b = bias[lo:hi].to(device).requires_grad_()
+    y = _RotatedLinearFn.apply(x, w, b, ring, layout)
+    y.backward(torch.cos(y.detach()))
+    ref_w, ref_b = weight.to(device).requires_grad_(), bias.to(device).requires_grad_()
+    ref_x = x.detach().clone().requires_grad_()
+    ref_y = ref_x @ ref_w.T + ref_b
+    ref_y.backward(torch.cos(ref_y.detach()))
+    # the other rank's rows of the weight's gradient come from its own batch: compare the input's gradient and
+    # the output here; the rows' gradients summed over ranks are checked by tests/gpu/test_training_cuda.py
+    out["linear_gap"] = max((y - ref_y).abs().max().item(), (x.grad - ref_x.grad).abs().max().item())
+    time.sleep(0.5)  # the watch reads the headers' flag on its own thread
+    ring._watch.check()  # matching walks: no mismatch seen
+
+    ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=30.0)
+    small, landing = torch.arange(4.0, device=device), torch.empty(4, device=device)
+    ring.exchange([small], [landing], _WEIGHT_TAG if rank == 0 else _GRAD_TAG).wait()  # on NCCL: no host wait
+    _wait_for_failure(ring, 20)
+    try:
+        ring.exchange([small], [landing], _WEIGHT_TAG)
+        out["disagreeing"] = None
+    except CollectiveMisuseError as err:
+        out["disagreeing"] = str(err)
+    dist.barrier()
+
+    ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=3.0)
+    if rank == 0:
+        ring.exchange([small], [landing], _WEIGHT_TAG)  # rank 1 never walks this ring
+        out["named_after"] = _wait_for_failure(ring, 30)
+        try:
+            ring.exchange([small], [landing], _WEIGHT_TAG)
+            out["unanswered"] = None
+        except CollectiveMisuseError as err:
+            out["unanswered"] = str(err)
+    dist.barrier()  # the world's group: rank 1 waits here; the aborted ring's group is left as it is
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    return run_on_ranks(_nccl_scenarios, 2, fresh=True, timeout=150)
+
+
+def test_a_world_without_a_backend_walks_batched_over_nccl_beyond_its_buffers(scenarios):
+    for rank, out in enumerate(scenarios):
+        assert out["backend"] == "undefined" and out["transport"] == "batched" and out["watched"], out
+        peer = float(2 - rank)  # the other rank's fill: rank + 1
+        assert out["big_hop"] == (peer, peer), (rank, out["big_hop"])
+        assert out["big_hop_s"] < 20, out["big_hop_s"]
+        assert out["linear_gap"] < 1e-4, (rank, out["linear_gap"])
+
+
+def test_walks_that_disagree_fail_by_name_on_both_ranks_over_nccl(scenarios):
+    for out in scenarios:
+        message = out["disagreeing"]
+        assert message is not None and "walked it differently" in message, message
+
+
+def test_a_hop_nobody_answers_over_nccl_is_named_within_the_timeout(scenarios):
+    out = scenarios[0]
+    assert out["unanswered"] is not None and "HF_RTP_TIMEOUT" in out["unanswered"], out["unanswered"]
+    assert "global rank 1" in out["unanswered"], out["unanswered"]
+    assert 3.0 <= out["named_after"] < 20.0, out["named_after"]
