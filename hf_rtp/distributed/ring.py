@@ -188,16 +188,25 @@ class Ring:
     def _post(self, peers: list, what: str, after: Callable[[], None] | None = None) -> Pending:
         """Post `peers` ((isend or irecv, tensor, global rank, tag)) the way the transport wants; `after` runs once
         they are waited for."""
-        if self._watch is not None:
-            self._watch.check()  # a failure the watch named: raised here, at the ring's next message
-        if self.transport == "batched":  # NCCL: a hop's sends and receives posted together, or a ring deadlocks
-            ops = [dist.P2POp(op, t, peer, self.group, k) for op, t, peer, k in peers]
-            works = dist.batch_isend_irecv(ops) if ops else []
-            landings: list = []
-        else:
-            works, landings = self._one_by_one(peers)
-        if self._watch is not None:
-            self._watch.post(works, what)
+        watch = self._watch
+        if watch is not None:
+            watch.check()  # a failure the watch named: raised here, at the ring's next message
+            # watched from before the post: NCCL connects a pair at its first message, blocking the host until the
+            # neighbour comes; a neighbour that never does is named after HF_RTP_TIMEOUT like a hop in flight
+            entry = watch.begin(what)
+        try:
+            if self.transport == "batched":  # NCCL: a hop's sends and receives posted together, or a ring deadlocks
+                ops = [dist.P2POp(op, t, peer, self.group, k) for op, t, peer, k in peers]
+                works = dist.batch_isend_irecv(ops) if ops else []
+                landings: list = []
+            else:
+                works, landings = self._one_by_one(peers)
+        except Exception:
+            if watch is not None:
+                watch.check()  # the watch aborted the group under a blocked post: its error, not NCCL's
+            raise
+        if watch is not None:
+            watch.posted(entry, works)
         if landings:  # staged: what arrived in host memory goes to the device once it is there
             after = functools.partial(_land, landings, after)
         return Pending(works, after=after, failed=self._watch.check if self._watch is not None else None)

@@ -50,7 +50,7 @@ class Watch:
         self.grace_s = grace_s
         """seconds after a failure before the process is ended if the ring was not reached (None: never)"""
         self._abort = abort
-        self._hops: collections.deque = collections.deque()  # (posted at, works, what)
+        self._hops: collections.deque = collections.deque()  # [posted at, works or None while posting, what]
         self._flags: list = []  # [(event or None, flag, what)]: a header mismatch seen on the device, read unwaited
         self._host: torch.Tensor | None = None  # pinned: where a CUDA flag is copied to be read
         self._lock = threading.Condition()
@@ -58,16 +58,25 @@ class Watch:
         self.failure: CollectiveMisuseError | None = None
         self._raised = False
 
-    def post(self, works: list, what: str) -> None:
-        """A hop's works, just posted; `what` names it in the error."""
-        if not works:
-            return
+    def begin(self, what: str) -> list:
+        """A hop about to be posted, watched from now: on NCCL the post itself can block the host (a pair of ranks
+        connects at its first message, and waits for the neighbour to come). `posted` gives it its works."""
+        entry = [time.monotonic(), None, what]  # [posted at, works (None: still being posted), what]
         with self._lock:
-            self._hops.append((time.monotonic(), works, what))
+            self._hops.append(entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hf_rtp-ring-watch", daemon=True)
                 self._thread.start()
             self._lock.notify()
+        return entry
+
+    def posted(self, entry: list, works: list) -> None:
+        """The works `begin`'s hop was posted as (none: nothing to watch)."""
+        with self._lock:
+            if works:
+                entry[1] = works
+            elif entry in self._hops:
+                self._hops.remove(entry)
 
     def flag(self, flag: torch.Tensor, what: str) -> None:
         """Watch `flag` (nonzero: a hop's header did not match): copied to host memory behind the work queued
@@ -128,7 +137,7 @@ class Watch:
                 # A work NCCL completed with an error (a peer's network link closed) is popped as done: torch's own
                 # NCCL error handling ends the job then, naming a remote error. Work.exception(), which would tell,
                 # logs a deprecation warning from torch in every process that calls it.
-                if all(w.is_completed() for w in works):
+                if works is not None and all(w.is_completed() for w in works):
                     with self._lock:
                         hops.popleft()
                     since = time.monotonic()
@@ -136,8 +145,10 @@ class Watch:
                 # hops queue behind each other (a save posts every piece at once): each waits from the one before
                 waited = time.monotonic() - max(posted, since)
                 if waited > self.timeout_s:
+                    state = "still in flight" if works is not None else "still not posted (NCCL connects two ranks"
+                    state += "" if works is not None else " at their first message and waits for the neighbour)"
                     problem = (
-                        f"{what} was still in flight after {waited:.0f} s, past hf_rtp's timeout (HF_RTP_TIMEOUT): "
+                        f"{what} was {state} after {waited:.0f} s, past hf_rtp's timeout (HF_RTP_TIMEOUT): "
                         "its neighbour stopped, crashed, or skipped a forward or backward that every rank must run"
                     )
                 break
