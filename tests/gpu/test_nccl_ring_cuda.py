@@ -10,6 +10,8 @@ the ring stages its hops through host memory and those CPU tests already cover i
   fail with hf_rtp's error on both ranks, from the hop headers.
 - A hop nobody answers is named (the neighbour's global rank, HF_RTP_TIMEOUT) within the watch's timeout, while
   the host waits on nothing: NCCL's `work.wait()` does not raise when a peer is gone.
+- A first hop whose neighbour never comes: NCCL connects a pair at its first message, and that post blocks the
+  host (the H100 run of 2026-11-27 hung there before the watch covered posts). Named, not hung.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from support.spawn import run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.timeout(150),  # the three scenarios run in the first test's fixture: more than .ci/gpu's --timeout 60
+    pytest.mark.timeout(150),  # a fixture runs three scenarios, one test waits out a grace: over --timeout 60
     pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
     pytest.mark.skipif(
         os.environ.get("HF_RTP_TEST_BACKEND") != NCCL_WORLD,
@@ -98,8 +100,10 @@ def _nccl_scenarios():
     dist.barrier()
 
     ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=3.0)
+    ring.exchange([small], [landing], _WEIGHT_TAG).wait()  # both ranks: the pair is connected, as after a step
+    torch.cuda.synchronize()
     if rank == 0:
-        ring.exchange([small], [landing], _WEIGHT_TAG)  # rank 1 never walks this ring
+        ring.exchange([small], [landing], _WEIGHT_TAG)  # rank 1 never walks this ring again
         out["named_after"] = _wait_for_failure(ring, 30)
         try:
             ring.exchange([small], [landing], _WEIGHT_TAG)
@@ -108,6 +112,34 @@ def _nccl_scenarios():
             out["unanswered"] = str(err)
     dist.barrier()  # the world's group: rank 1 waits here; the aborted ring's group is left as it is
     return out
+
+
+def _never_connected():
+    """Rank 0's first hop on a ring whose neighbour never sends: NCCL connects the pair at that first message and
+    the post blocks the host. Rank 1 stays alive and silent (the test kills it once rank 0 reports)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hf_rtp.distributed.ring import _WEIGHT_TAG, Ring
+    from hf_rtp.errors import CollectiveMisuseError
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(timeout=timedelta(seconds=60), device_id=device)
+    ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=3.0)
+    if dist.get_rank() == 1:
+        time.sleep(300)
+        return None
+    small, landing = torch.arange(4.0, device=device), torch.empty(4, device=device)
+    started = time.monotonic()
+    try:
+        ring.exchange([small], [landing], _WEIGHT_TAG)
+        _wait_for_failure(ring, 30)
+        ring.exchange([small], [landing], _WEIGHT_TAG)
+        return None, time.monotonic() - started
+    except CollectiveMisuseError as err:
+        return str(err), time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +167,17 @@ def test_a_hop_nobody_answers_over_nccl_is_named_within_the_timeout(scenarios):
     assert out["unanswered"] is not None and "HF_RTP_TIMEOUT" in out["unanswered"], out["unanswered"]
     assert "global rank 1" in out["unanswered"], out["unanswered"]
     assert 3.0 <= out["named_after"] < 20.0, out["named_after"]
+
+
+def test_a_first_hop_whose_neighbour_never_comes_is_named_not_hung(capfd):
+    """Either the abort unblocks the post and the ring raises hf_rtp's error, or the watch ends the process with
+    it printed after its grace (30 s): within the timeout and the grace, with hf_rtp's words, never a hang."""
+    started = time.monotonic()
+    try:
+        message, after = run_on_ranks(_never_connected, 2, fresh=True, timeout=120, survivors=(0,))[0]
+    except RuntimeError as err:  # rank 0 ended by the watch: its last words are on its stderr
+        assert "exited without a result" in str(err), err
+        message, after = capfd.readouterr().err, time.monotonic() - started
+        assert "hf_rtp: ending this process" in message, message[-3000:]
+    assert message is not None and "still not posted" in message and "global rank 1" in message, message[-3000:]
+    assert after < 90, after
