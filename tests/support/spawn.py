@@ -94,16 +94,19 @@ def run_on_ranks(
     attempts: int = 3,
     survivors: tuple[int, ...] | None = None,
     fresh: bool = False,
+    linger_s: float = 30,
 ):
     """fn(*args) on `world_size` processes; returns the per-rank results in rank order.
 
     With `survivors`, only those ranks are waited for (the others were killed or stopped on purpose
     by a fault injected through HF_RTP_FAULT) and the rest are killed once they have reported. With
-    `fresh`, each rank is a new interpreter that imports everything itself (see PRELOAD).
+    `fresh`, each rank is a new interpreter that imports everything itself (see PRELOAD). A rank still alive
+    `linger_s` seconds after every result came is killed (on an H100, a rank whose NCCL peer had aborted a group
+    took over 30 s to exit, in NCCL's teardown, after its result was in).
     """
     for attempt in range(attempts):
         try:
-            return _run_once(fn, world_size, args, env or {}, timeout, survivors, fresh)
+            return _run_once(fn, world_size, args, env or {}, timeout, survivors, fresh, linger_s)
         except RuntimeError as err:
             if "address already in use" not in str(err).lower() or attempt == attempts - 1:
                 raise
@@ -152,7 +155,7 @@ def _context(fresh: bool):
     return ctx
 
 
-def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False):
+def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False, linger_s=30.0):
     wanted = tuple(range(world_size)) if survivors is None else survivors
     ctx = _context(fresh)
     results = ctx.Queue()
@@ -180,7 +183,7 @@ def _run_once(fn, world_size, args, env, timeout, survivors=None, fresh=False):
         for rank, p in enumerate(procs):
             if rank not in wanted:
                 p.kill()  # stopped (SIGSTOP) ranks never exit by themselves
-            p.join(timeout=30)
+            p.join(timeout=linger_s)
             if p.is_alive():
                 p.kill()
     failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
