@@ -204,6 +204,7 @@ class Ring:
         except Exception:
             if watch is not None:
                 watch.check()  # the watch aborted the group under a blocked post: its error, not NCCL's
+                watch.posted(entry, [])  # a post that failed by itself leaves nothing in flight to time out
             raise
         if watch is not None:
             watch.posted(entry, works)

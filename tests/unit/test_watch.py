@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from hf_rtp.distributed.watch import Watch
 from hf_rtp.errors import CollectiveMisuseError
@@ -39,3 +40,24 @@ def test_a_hop_posted_as_no_work_is_forgotten():
     time.sleep(1.0)
     assert watch.failure is None
     watch.check()
+
+
+def test_a_post_that_raised_leaves_nothing_to_time_out():
+    """A watched ring whose post raises by itself (a wrong tensor, say) leaves the watch with nothing in flight: a
+    script that caught the error is not ended later for a hop that was never sent."""
+    import torch.distributed as dist
+
+    from hf_rtp.distributed.ring import _WEIGHT_TAG, Ring
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ring = Ring(dist.new_group([0], backend="gloo"), timeout_s=0.3, watched=True)
+        ring.size, ring._next, ring._prev = 2, 5, 5  # a neighbour no group has: the post itself raises
+        with pytest.raises(Exception) as raised:
+            ring.exchange([torch.ones(2)], [torch.empty(2)], _WEIGHT_TAG)
+        assert not isinstance(raised.value, CollectiveMisuseError), raised.value
+        time.sleep(1.0)
+        assert ring._watch is not None and ring._watch.failure is None
+    finally:
+        dist.destroy_process_group()
