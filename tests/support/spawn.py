@@ -201,6 +201,12 @@ def _collect(results, procs, wanted, outcome, timeout) -> None:
         try:
             rank, ok, value = results.get(timeout=1.0)
             outcome[rank] = (ok, value)
+            if not ok and "address already in use" in str(value).lower():
+                # rank 0 lost its port to another process between free_port() and its bind: the others would
+                # wait the whole timeout for a store that never comes; run_on_ranks tries again on a new port
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"--- rank {rank} ---\n{value}")
             continue
         except queue.Empty:
             pass
