@@ -201,7 +201,7 @@ class Ring:
                 landings: list = []
             else:
                 works, landings = self._one_by_one(peers)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too: no entry left unposted, to time out and end the process later
             if watch is not None:
                 watch.check()  # the watch aborted the group under a blocked post: its error, not NCCL's
                 watch.posted(entry, [])  # a post that failed by itself leaves nothing in flight to time out

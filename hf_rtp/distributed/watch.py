@@ -71,12 +71,10 @@ class Watch:
         return entry
 
     def posted(self, entry: list, works: list) -> None:
-        """The works `begin`'s hop was posted as (none: nothing to watch)."""
+        """The works `begin`'s hop was posted as. None (an empty hop, or a post that raised by itself) counts as
+        completed: the thread pops it in turn, as it pops every entry (removing it here would race its reads)."""
         with self._lock:
-            if works:
-                entry[1] = works
-            elif entry in self._hops:
-                self._hops.remove(entry)
+            entry[1] = works
 
     def flag(self, flag: torch.Tensor, what: str) -> None:
         """Watch `flag` (nonzero: a hop's header did not match): copied to host memory behind the work queued
