@@ -130,13 +130,13 @@ def _probe_rank(rank: int, port: int, errors) -> None:
         got = (total.tolist(), recv.min().item(), recv.max().item())
         if got != ([3.0] * 4, float(peer), float(peer)):
             raise RuntimeError(f"wrong values: all_reduce {got[0]}, received between {got[1]} and {got[2]}")
+        errors.put((rank, None))  # before the teardown, which NCCL may make slow: the parent kills a lingering rank
         dist.destroy_process_group()
-        errors.put((rank, None))
     except BaseException as err:  # the parent reports it, then runs the gloo world
         errors.put((rank, f"{type(err).__name__}: {err}"))
 
 
-def probe(timeout_s: float = 90.0) -> str | None:
+def probe(timeout_s: float = 50.0) -> str | None:
     """None where two ranks on cuda:0 run NCCL's multi-rank mode (NCCL_MULTI_RANK_GPU_ENABLE=1), else what went
     wrong. Spawned (the parent has started CUDA), killed when they overrun."""
     import socket
@@ -168,7 +168,7 @@ def probe(timeout_s: float = 90.0) -> str | None:
                 outcome.setdefault(-1, f"a rank exited without a result (exit codes {dead})")
                 break
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=5)
         if p.is_alive():
             p.kill()
     if len(outcome) < 2 and -1 not in outcome:

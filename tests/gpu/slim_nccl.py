@@ -45,7 +45,8 @@ def sections(path: Path) -> dict[str, tuple[int, int]]:
 
 def keep_arch(data: bytearray, offset: int, size: int, archs: set[int]) -> tuple[int, int]:
     """Zero the payload of every entry of the fatbins in data[offset:offset + size] whose architecture is not in
-    `archs`: (bytes kept, bytes zeroed)."""
+    `archs`: (bytes kept, bytes zeroed). A header that points outside its fatbin or makes no progress is an error,
+    never a write outside the section."""
     kept = zeroed = 0
     p, end = offset, offset + size
     while p + 16 <= end:
@@ -54,10 +55,14 @@ def keep_arch(data: bytearray, offset: int, size: int, archs: set[int]) -> tuple
             p += 8
             continue
         q, stop = p + header, p + header + body
+        if header < 16 or stop > end:
+            raise ValueError(f"a fatbin at {p:#x} claims {body} bytes past its section's end {end:#x}")
         while q < stop:
             _, _, entry_header, payload = struct.unpack_from("<HHIQ", data, q)
             (arch,) = struct.unpack_from("<I", data, q + 28)
             start = q + entry_header
+            if entry_header < 32 or start + payload > stop:
+                raise ValueError(f"a fatbin entry at {q:#x} (header {entry_header}, payload {payload}) is malformed")
             if arch in archs:
                 kept += payload
             else:
@@ -86,9 +91,14 @@ def main() -> None:
         with zipfile.ZipFile(args.wheel) as wheel, open(original, "wb") as out:
             shutil.copyfileobj(wheel.open("nvidia/nccl/lib/libnccl.so.2"), out)
         data = bytearray(original.read_bytes())
-        for name, (offset, size) in sections(original).items():
+        found = sections(original)
+        if ".nv_fatbin" not in found:
+            raise SystemExit(f"{args.wheel}: its libnccl.so.2 has no .nv_fatbin section (readelf -S): not slimmed")
+        for name, (offset, size) in found.items():
             kept, zeroed = keep_arch(data, offset, size, archs)
             print(f"{name}: kept {kept / 1e6:.1f} MB for sm_{sorted(archs)}, zeroed {zeroed / 1e6:.1f} MB")
+            if name == ".nv_fatbin" and not kept:  # a wrong --arch would zero every kernel and still load
+                raise SystemExit(f"no device code for sm_{sorted(archs)} in {name}: check --arch")
         zeroed_path = Path(tmp) / "zeroed.so"
         zeroed_path.write_bytes(data)
         slim = Path(tmp) / "slim.so"

@@ -26,7 +26,7 @@ from support.spawn import run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.timeout(150),  # a fixture runs three scenarios, one test waits out a grace: over --timeout 60
+    pytest.mark.timeout(100),  # a fixture runs three scenarios, one test may wait out a grace: over --timeout 60
     pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
     pytest.mark.skipif(
         os.environ.get("HF_RTP_TEST_BACKEND") != NCCL_WORLD,
@@ -145,7 +145,7 @@ def _never_connected():
 
 @pytest.fixture(scope="module")
 def scenarios():
-    return run_on_ranks(_nccl_scenarios, 2, fresh=True, timeout=150, linger_s=5)
+    return run_on_ranks(_nccl_scenarios, 2, fresh=True, timeout=90, linger_s=5)
 
 
 def test_a_world_without_a_backend_walks_batched_over_nccl_beyond_its_buffers(scenarios):
@@ -175,7 +175,7 @@ def test_a_first_hop_whose_neighbour_never_comes_is_named_not_hung(capfd):
     it printed after its grace (30 s): within the timeout and the grace, with hf_rtp's words, never a hang."""
     started = time.monotonic()
     try:
-        message, after = run_on_ranks(_never_connected, 2, fresh=True, timeout=120, survivors=(0,), linger_s=5)[0]
+        message, after = run_on_ranks(_never_connected, 2, fresh=True, timeout=90, survivors=(0,), linger_s=5)[0]
     except RuntimeError as err:  # rank 0 ended by the watch: its last words are on its stderr
         assert "exited without a result" in str(err), err
         message, after = capfd.readouterr().err, time.monotonic() - started
