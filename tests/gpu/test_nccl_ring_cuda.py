@@ -115,9 +115,10 @@ def _nccl_scenarios():
     return out
 
 
-def _never_connected():
+def _never_connected(stderr_path):
     """Rank 0's first hop on a ring whose neighbour never sends: NCCL connects the pair at that first message and
-    the post blocks the host. Rank 1 stays alive and silent (the test kills it once rank 0 reports)."""
+    the post blocks the host. Rank 1 stays alive and silent (the test kills it once rank 0 reports). Rank 0's
+    stderr goes to `stderr_path`, where the watch's last words are if it ends the process."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -132,6 +133,8 @@ def _never_connected():
     if dist.get_rank() == 1:
         time.sleep(300)
         return None
+    with open(stderr_path, "w") as log:
+        os.dup2(log.fileno(), 2)  # the watch logs and prints to fd 2
     small, landing = torch.arange(4.0, device=device), torch.empty(4, device=device)
     started = time.monotonic()
     try:
@@ -170,15 +173,18 @@ def test_a_hop_nobody_answers_over_nccl_is_named_within_the_timeout(scenarios):
     assert 3.0 <= out["named_after"] < 20.0, out["named_after"]
 
 
-def test_a_first_hop_whose_neighbour_never_comes_is_named_not_hung(capfd):
-    """Either the abort unblocks the post and the ring raises hf_rtp's error, or the watch ends the process with
-    it printed after its grace (30 s): within the timeout and the grace, with hf_rtp's words, never a hang."""
+def test_a_first_hop_whose_neighbour_never_comes_is_named_not_hung(tmp_path):
+    """Either the abort unblocks the post and the ring raises hf_rtp's error (what the H100 did), or the watch ends
+    the process with it printed after its grace (30 s): within the timeout and the grace, with hf_rtp's words."""
+    stderr_path = tmp_path / "rank0.stderr"
     started = time.monotonic()
     try:
-        message, after = run_on_ranks(_never_connected, 2, fresh=True, timeout=90, survivors=(0,), linger_s=5)[0]
-    except RuntimeError as err:  # rank 0 ended by the watch: its last words are on its stderr
+        ran = run_on_ranks(_never_connected, 2, str(stderr_path), fresh=True, timeout=90, survivors=(0,), linger_s=5)
+        message, after = ran[0]
+    except RuntimeError as err:  # rank 0 ended by the watch: its last words are in its stderr
         assert "exited without a result" in str(err), err
-        message, after = capfd.readouterr().err, time.monotonic() - started
+        message, after = stderr_path.read_text(), time.monotonic() - started
         assert "hf_rtp: ending this process" in message, message[-3000:]
+    print(stderr_path.read_text()[-2000:])  # the log's record of what rank 0 said
     assert message is not None and "still not posted" in message and "global rank 1" in message, message[-3000:]
     assert after < 90, after
