@@ -33,6 +33,7 @@ from ..errors import CollectiveMisuseError
 
 logger = logging.getLogger("hf_rtp")  # log.py's, whose module reaches transformers: not for this layer
 _POLL_S = 0.2  # how often the oldest hop is looked at while any is in flight: a timeout is minutes
+_UNPOSTED = "still not posted (NCCL connects two ranks at their first message and waits for the neighbour)"
 
 
 class Watch:
@@ -71,7 +72,7 @@ class Watch:
         return entry
 
     def posted(self, entry: list, works: list) -> None:
-        """The works `begin`'s hop was posted as. None (an empty hop, or a post that raised by itself) counts as
+        """The works `begin`'s hop was posted as. No works (an empty hop, or a post that raised by itself) counts as
         completed: the thread pops it in turn, as it pops every entry (removing it here would race its reads)."""
         with self._lock:
             entry[1] = works
@@ -143,8 +144,7 @@ class Watch:
                 # hops queue behind each other (a save posts every piece at once): each waits from the one before
                 waited = time.monotonic() - max(posted, since)
                 if waited > self.timeout_s:
-                    state = "still in flight" if works is not None else "still not posted (NCCL connects two ranks"
-                    state += "" if works is not None else " at their first message and waits for the neighbour)"
+                    state = "still in flight" if works is not None else _UNPOSTED
                     problem = (
                         f"{what} was {state} after {waited:.0f} s, past hf_rtp's timeout (HF_RTP_TIMEOUT): "
                         "its neighbour stopped, crashed, or skipped a forward or backward that every rank must run"
