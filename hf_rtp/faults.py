@@ -16,7 +16,9 @@ save_pretrained's files half written), "save.commit" (staged, nothing moved yet)
 committed), "state.commit" (about to replace the old training state), "state.commit.aside" (the
 fallback's old folder renamed aside, the new one not yet in place), "resize.draw" (resize_token_embeddings,
 each rank about to run vanilla's resize on the whole matrices), "attention.probe" (the check of a ring attention
-kernel against attention computed whole, layers/attention.py: "corrupt" shifts its merged output). A point name
+kernel against attention computed whole, layers/attention.py: "corrupt" shifts its merged output), "ring.hop" (a
+ring about to post a hop of a walk: weights, gradients or tokens; `kill@ring.hop#1:40` kills rank 1 mid-walk,
+where its neighbours have hops in flight to it). A point name
 that does not exist is an error naming these. Unset, a point costs one dictionary lookup.
 """
 
@@ -40,6 +42,7 @@ POINTS = (
     "state.commit.aside",
     "resize.draw",
     "attention.probe",
+    "ring.hop",
 )
 CORRUPTIBLE = ("attention.probe",)
 """the points whose caller spoils its own result when "corrupt" fires there"""

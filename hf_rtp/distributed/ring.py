@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from .. import faults
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
 from .pending import Pending
 from .pool import BufferPool
@@ -108,6 +109,11 @@ class Ring:
             self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
             self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
             self.transport = transport or transport_for(dist.get_backend_config(group), (device or _CPU).type)
+        # what a failed wait on a hop names (made once: a hop builds no string)
+        if self._prev == self._next:
+            self._waited = f"waited for its ring neighbour (global rank {self._prev})"
+        else:
+            self._waited = f"waited for its ring neighbours (global ranks {self._prev} and {self._next})"
         self._watch: Watch | None = None
         if group is not None and (self.transport == "batched" if watched is None else watched):
             nccl = self.transport == "batched"  # a test's watched gloo ring is neither aborted nor ended
@@ -155,6 +161,7 @@ class Ring:
 
     def exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending:
         """Start sending `send` to the next rank and receiving `recv` from the previous one."""
+        faults.point("ring.hop")  # one environment lookup when HF_RTP_FAULT is unset
         # Both ends derive chunk sizes from the same layout, so an empty chunk is skipped on both.
         if self._plain:  # gloo on the CPU, unwatched: the messages and nothing else (the hop's host time, bench)
             # The group's own send and recv, which dist.isend and dist.irecv call after checks that hold for the
@@ -170,7 +177,7 @@ class Ring:
             for i, t in enumerate(recv):
                 if t.nbytes:
                     works.append(group.recv([t], self._prev_in_group, tag + i))
-            return Pending(works)
+            return Pending(works, self._waited)
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
         self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
@@ -183,11 +190,13 @@ class Ring:
             sends, recvs = [*sends, (header, tag)], [*recvs, (arrived, tag)]
             after = functools.partial(self._compare, header, arrived, what)
         peers = [(dist.isend, t, self._next, k) for t, k in sends] + [(dist.irecv, t, self._prev, k) for t, k in recvs]
-        return self._post(peers, what, after)
+        return self._post(peers, what, after, self._waited)
 
-    def _post(self, peers: list, what: str, after: Callable[[], None] | None = None) -> Pending:
+    def _post(
+        self, peers: list, what: str, after: Callable[[], None] | None = None, waited: str | None = None
+    ) -> Pending:
         """Post `peers` ((isend or irecv, tensor, global rank, tag)) the way the transport wants; `after` runs once
-        they are waited for."""
+        they are waited for; `waited` names the peers in a failed wait's error."""
         watch = self._watch
         if watch is not None:
             watch.check()  # a failure the watch named: raised here, at the ring's next message
@@ -210,7 +219,10 @@ class Ring:
             watch.posted(entry, works)
         if landings:  # staged: what arrived in host memory goes to the device once it is there
             after = functools.partial(_land, landings, after)
-        return Pending(works, after=after, failed=self._watch.check if self._watch is not None else None)
+        failed = watch.check if watch is not None else None
+        if waited is None:
+            return Pending(works, after=after, failed=failed)
+        return Pending(works, waited, after=after, failed=failed)
 
     def _one_by_one(self, peers: list) -> tuple[list, list]:
         """Plain isend/irecv (gloo's batched path has been seen to hang), each message copied through host memory

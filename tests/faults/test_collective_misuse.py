@@ -145,7 +145,7 @@ def test_hf_rtp_timeout_holds_when_accelerate_made_the_process_group(tmp_path):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     (seconds, message), _ = run_on_ranks(_stall_in_backward, 2, ckpt, env={"HF_RTP_TIMEOUT": "5"})
     assert 4 <= seconds < 40, seconds
-    assert "ring neighbour past hf_rtp's timeout (HF_RTP_TIMEOUT)" in message
+    assert "ring neighbour (global rank 1) past hf_rtp's timeout (HF_RTP_TIMEOUT)" in message, message
 
 
 @pytest.mark.parametrize(
@@ -318,3 +318,28 @@ def test_a_rank_that_stops_mid_generation_ends_the_others_naming_it(tmp_path, ac
     ((seconds, message),) = run_on_ranks(_stopped_mid_generation, 2, ckpt, env=env, survivors=(0,), attempts=1)
     assert seconds < 30, seconds
     assert named in message, message
+
+
+def _killed_mid_walk(ckpt):
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, timeout=10).train()
+    batch = global_batch(2)[rank]
+    model(input_ids=batch, labels=batch).loss.backward()  # rank 1 dies at its 40th hop, in the second step
+    start = time.monotonic()
+    with pytest.raises(hf_rtp.CollectiveMisuseError) as caught:
+        for _ in range(2):
+            model(input_ids=batch, labels=batch).loss.backward()
+    return time.monotonic() - start, str(caught.value)
+
+
+def test_a_rank_killed_mid_walk_ends_its_neighbour_naming_it(tmp_path):
+    """Killed between two hops of a walk (HF_RTP_FAULT at "ring.hop"), where its neighbour has a hop in flight to
+    it: the neighbour's wait fails with hf_rtp's error naming the dead rank, at once over gloo (its connection
+    closes). tests/gpu/test_nccl_ring_cuda.py kills a rank the same way over NCCL, where nothing closes."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    env = {**ENTRY, "HF_RTP_FAULT": "kill@ring.hop#1:40"}
+    ((seconds, message),) = run_on_ranks(_killed_mid_walk, 2, ckpt, env=env, survivors=(0,), attempts=1)
+    assert seconds < 10, seconds
+    assert "ring neighbour (global rank 1)" in message and "lost a rank" in message, message
