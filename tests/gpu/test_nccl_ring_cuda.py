@@ -12,8 +12,8 @@ the ring stages its hops through host memory and those CPU tests already cover i
   the host waits on nothing: NCCL's `work.wait()` does not raise when a peer is gone.
 - A first hop whose neighbour never comes: NCCL connects a pair at its first message, and that post blocks the
   host (the H100 run of 2026-11-27 hung there before the watch covered posts). Named, not hung.
-- A rank killed mid-training (`HF_RTP_FAULT=kill@forward#1:2`, as an OOM killer would) after a step over NCCL:
-  the other rank's next step raises hf_rtp's error naming rank 1 within the timeout given to from_pretrained.
+- A rank killed mid-walk (`HF_RTP_FAULT=kill@ring.hop#1:40`, as an OOM killer would), in its second step over
+  NCCL: the other rank ends with hf_rtp's error naming rank 1, from the watch or the ranks' next meeting.
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ def test_a_first_hop_whose_neighbour_never_comes_is_named_not_hung(tmp_path):
 
 
 def _killed_mid_training(ckpt, stderr_path):
-    """Two steps of a rotated Llama on cuda:0 over NCCL; rank 1 is killed at its second forward (HF_RTP_FAULT).
-    Rank 0: (seconds from its second step's start to the error, the error), its stderr in `stderr_path`."""
+    """Steps of a rotated Llama on cuda:0 over NCCL; rank 1 is killed between two hops of a walk (HF_RTP_FAULT at
+    "ring.hop", its 40th: in the second step), where rank 0 has hops in flight to it. Rank 0: (the step that
+    failed, seconds from that step's start to the error, the error); its stderr in `stderr_path`."""
     import hf_rtp
 
     device = join_world()
@@ -205,30 +206,33 @@ def _killed_mid_training(ckpt, stderr_path):
             os.dup2(log.fileno(), 2)
     model = hf_rtp.from_pretrained(ckpt, device=device, dtype=torch.float32, timeout=8).train()
     ids = global_batch(2)[rank].to(device)
-    model(ids, labels=ids).loss.backward()  # every pair connected, as in a run that has trained
-    torch.cuda.synchronize()
-    started = time.monotonic()
-    try:
-        model(ids, labels=ids).loss.backward()  # rank 1 dies at this forward's start
-        torch.cuda.synchronize()
-        return time.monotonic() - started, None
-    except hf_rtp.CollectiveMisuseError as err:
-        return time.monotonic() - started, str(err)
+    for step in range(3):
+        started = time.monotonic()
+        try:
+            model(ids, labels=ids).loss.backward()
+            torch.cuda.synchronize()
+        except hf_rtp.CollectiveMisuseError as err:
+            return step, time.monotonic() - started, str(err)
+    return None, None, None
 
 
-def test_a_rank_killed_mid_training_over_nccl_ends_the_other_with_hf_rtps_error(tmp_path):
+def test_a_rank_killed_mid_walk_over_nccl_ends_the_other_with_hf_rtps_error(tmp_path):
+    """Over NCCL nothing closes when a rank on the same node dies: rank 0's hops stay in flight. It must end with
+    hf_rtp's error naming rank 1, from whichever comes first: the watch (the timeout given, 8 s, and the abort),
+    or the next meeting of the ranks at a forward or backward (gloo, which sees the process gone)."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     stderr_path = tmp_path / "rank0.stderr"
-    env = {"HF_RTP_FAULT": "kill@forward#1:2"}
+    env = {"HF_RTP_FAULT": "kill@ring.hop#1:40"}
     try:
         ran = run_on_ranks(
             _killed_mid_training, 2, ckpt, str(stderr_path), env=env, fresh=True, timeout=90, survivors=(0,), linger_s=5
         )
-        seconds, message = ran[0]
+        step, seconds, message = ran[0]
     except RuntimeError as err:  # rank 0 ended by the watch after its grace: its last words are in its stderr
         assert "exited without a result" in str(err), err
-        seconds, message = None, stderr_path.read_text()
+        step, seconds, message = None, None, stderr_path.read_text()
         assert "hf_rtp: ending this process" in message, message[-3000:]
-    print(stderr_path.read_text()[-2000:])
+    print(f"step {step}, {seconds} s: {message}\n{stderr_path.read_text()[-2000:]}")  # which path named it
     assert message is not None and "rank 1" in message, message[-3000:]
+    assert step != 0, "rank 1 died in the first step: the hop count no longer lands in the second"
     assert seconds is None or seconds < 8 + 20, seconds
