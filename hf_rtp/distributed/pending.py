@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 from ..errors import CollectiveMisuseError
 
+WAITED = "waited for its ring neighbour"
+"""what a failed wait says was waited for, where the caller names nothing more precise"""
+
 
 class Pending:
     """Communication in flight; `wait` names a failure as CollectiveMisuseError instead of gloo/NCCL's words, then
@@ -16,7 +19,7 @@ class Pending:
     def __init__(
         self,
         works,
-        what: str = "waited for its ring neighbour",
+        what: str = WAITED,
         after: Callable[[], object] | None = None,
         failed: Callable[[], object] | None = None,
     ):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import faults
 from ..settings import DEFAULT_PIECE_SIZE, parse_size
-from .pending import Pending
+from .pending import WAITED, Pending
 from .pool import BufferPool
 from .replicas import ReplicaSum
 from .sharding import ChunkLayout
@@ -192,9 +192,7 @@ class Ring:
         peers = [(dist.isend, t, self._next, k) for t, k in sends] + [(dist.irecv, t, self._prev, k) for t, k in recvs]
         return self._post(peers, what, after, self._waited)
 
-    def _post(
-        self, peers: list, what: str, after: Callable[[], None] | None = None, waited: str | None = None
-    ) -> Pending:
+    def _post(self, peers: list, what: str, after: Callable[[], None] | None = None, waited: str = WAITED) -> Pending:
         """Post `peers` ((isend or irecv, tensor, global rank, tag)) the way the transport wants; `after` runs once
         they are waited for; `waited` names the peers in a failed wait's error."""
         watch = self._watch
@@ -219,10 +217,7 @@ class Ring:
             watch.posted(entry, works)
         if landings:  # staged: what arrived in host memory goes to the device once it is there
             after = functools.partial(_land, landings, after)
-        failed = watch.check if watch is not None else None
-        if waited is None:
-            return Pending(works, after=after, failed=failed)
-        return Pending(works, waited, after=after, failed=failed)
+        return Pending(works, waited, after=after, failed=watch.check if watch is not None else None)
 
     def _one_by_one(self, peers: list) -> tuple[list, list]:
         """Plain isend/irecv (gloo's batched path has been seen to hang), each message copied through host memory
