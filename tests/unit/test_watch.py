@@ -29,6 +29,10 @@ def test_a_post_that_never_returns_is_named_after_the_timeout_and_aborts_the_gro
     failure = _failure_within(watch, 10)
     assert failure is not None and time.monotonic() - started >= 0.5
     assert "a hop of weights from global rank 1 was still not posted" in str(failure), failure
+    # the failure is recorded before the abort (the abort returns a blocked post, which then raises it): wait for both
+    deadline = time.monotonic() + 10
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert "HF_RTP_TIMEOUT" in str(failure) and aborted == [True]
     with pytest.raises(CollectiveMisuseError, match="still not posted"):
         watch.check()
