@@ -135,7 +135,7 @@ class Ring:
         self._traffic: Traffic | None = None
         # the last tokens moved, and the other ranks' that arrived with them: an op on the same tokens (k_proj and
         # v_proj after q_proj, up_proj after gate_proj) moves only its outputs (distributed/token_walk.py)
-        self.moved: tuple[Bundle, tuple, int, list[Bundle]] | None = None
+        self.moved: tuple[Bundle, tuple | None, int, list[Bundle]] | None = None
         self.token_walks = 0  # how many ops moved tokens instead of weights: tests and the bench read it
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
         # what hf_rtp/tools/cost.py models

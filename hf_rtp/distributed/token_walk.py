@@ -54,8 +54,9 @@ class Hops(Protocol):
     size: int
     pool: BufferPool
     token_walks: int
-    moved: tuple[Bundle, tuple, int, list[Bundle]] | None
-    """the last tokens moved, their identities, the bound and the other ranks' that arrived with them"""
+    moved: tuple[Bundle, tuple | None, int, list[Bundle]] | None
+    """the last tokens moved, their identities (None: not to be known again), the bound and the other ranks' that
+    arrived with them"""
 
     def exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending: ...
 
@@ -66,10 +67,14 @@ def _message_bytes(specs) -> int:
     return sum(n + (-n) % 8 for n in (math.prod(shape) * dtype.itemsize for shape, dtype in specs))
 
 
-def identities(tokens: Bundle) -> tuple:
+def identities(tokens: Bundle) -> tuple | None:
     """What makes two token sets the same tokens: the same memory, seen the same way, unchanged since (each op
     reshapes its input afresh, so the tensor objects differ; an in-place change bumps its version). The ring holds
-    the tokens it compares with, so their memory is not freed and reused by other tokens meanwhile."""
+    the tokens it compares with, so their memory is not freed and reused by other tokens meanwhile. None for
+    tensors made under torch.inference_mode, which have no version counter: such tokens are never known again, so
+    each op on them moves them (layers/siblings.py walks them alone for the same reason)."""
+    if any(t.is_inference() for t in tokens):
+        return None
     return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, version(t)) for t in tokens)
 
 
@@ -122,7 +127,7 @@ def token_walk(
     moved, ids = ring.moved, identities(tokens)
     # the identities recorded when the tokens moved, not the held tensors' own now: those share the caller's
     # version counter, so an in-place change since would go unseen
-    if moved is not None and moved[2] == bound and moved[1] == ids:
+    if moved is not None and ids is not None and moved[2] == bound and moved[1] == ids:
         _walk_outputs(ring, moved[3], out, compute, rows, held, tokens, count, bound, blank, fold)
         return None
     fits = min(count, bound)  # an overflowing rank sends what fits; its count says the walk is void

@@ -143,7 +143,7 @@ class _Seen:
         self._ref, self._identity = weakref.ref(x), identities([x])
 
     def is_(self, x: torch.Tensor) -> bool:
-        return self._ref() is x and identities([x]) == self._identity
+        return self._identity is not None and self._ref() is x and identities([x]) == self._identity
 
 
 def _walk(modules: list, x: torch.Tensor, ring) -> list[torch.Tensor] | None:

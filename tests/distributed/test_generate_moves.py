@@ -125,3 +125,29 @@ def test_each_op_moves_whichever_costs_less_by_the_most_tokens_any_rank_brings(t
     wide = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=8)
     ckpt = make_tiny("llama", tmp_path / "ckpt", max_position_embeddings=256, **wide)
     run_on_ranks(_choice, 2, ckpt)
+
+
+def _under_inference_mode(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves="activations")
+    prompts = global_batch(world, batch=1 + rank, seq=4 + rank, seed=5)[rank]
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():  # tensors with no version counter: the tokens' identity cannot be read
+        logits = model(prompts).logits
+        tokens = model.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
+        expected = vanilla.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
+        torch.testing.assert_close(logits, vanilla(prompts).logits, atol=1e-10, rtol=1e-10)
+    assert torch.equal(tokens, expected), (tokens.tolist(), expected.tolist())
+    return hf_rtp.state_of(model).topology.ring.token_walks
+
+
+def test_a_forward_and_generate_under_inference_mode_move_tokens_as_under_no_grad(tmp_path):
+    """torch.inference_mode (transformers' pipelines, many eval loops) makes tensors without a version counter,
+    which the reuse of moved tokens read (k_proj after q_proj): such tokens move for each op instead."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert all(walks > 0 for walks in run_on_ranks(_under_inference_mode, 2, ckpt))
