@@ -52,11 +52,25 @@ def bind(model: nn.Module, state: RTPState, load: Callable[..., nn.Module]) -> n
         # The backbone, not the model itself: PEFT and TRL call the model's forward directly, which
         # skips the model's hooks, but every causal LM calls its backbone as a module.
         backbone = getattr(model, "base_model", None) or model
+        # the model's logits_to_keep (how many of each sequence's last tokens its LM head sees: generate's decode
+        # and assisted steps), which the backbone's forward is not given; unknown (every token) where the model's
+        # own hooks are skipped
+        keep: dict = {}
+        if backbone is not model:
+            model.register_forward_pre_hook(
+                lambda module, args, kwargs: keep.update(logits_to_keep=kwargs.get("logits_to_keep")), with_kwargs=True
+            )
         backbone.register_forward_pre_hook(
-            lambda module, args, kwargs: _before_forward(state, load, args, kwargs), with_kwargs=True
+            lambda module, args, kwargs: _before_forward(state, load, args, kwargs, keep.pop("logits_to_keep", None)),
+            with_kwargs=True,
         )
-        # after the model's forward (its LM head included), also when it raised: ops outside a forward move weights
-        model.register_forward_hook(lambda *_: traffic.clear(state.topology.ring), always_call=True)
+
+        def _after_forward(*_) -> None:  # also when it raised: ops outside a forward move weights
+            keep.clear()
+            traffic.clear(state.topology.ring)
+
+        # after the model's forward (its LM head included)
+        model.register_forward_hook(_after_forward, always_call=True)
         install_when_peft_is_imported()  # process-wide, until PEFT knows the `rtp` mesh
         watch(model, backbone)  # a step over replicated gradients that nothing averaged is refused
     return model
@@ -85,7 +99,7 @@ def _save_pretrained(model, *args, **kwargs):
     return save_pretrained(model, *args, **kwargs)
 
 
-def _before_forward(state: RTPState, load: Callable[..., nn.Module], args: tuple, kwargs: dict) -> None:
+def _before_forward(state: RTPState, load: Callable[..., nn.Module], args: tuple, kwargs: dict, keep=None) -> None:
     # An Accelerator built after from_pretrained can still have come up undistributed: its prepare
     # never tells us, its first forward does. A dict lookup when accelerate is not in use.
     check_accelerate_state(state.topology.world_size)
@@ -93,4 +107,4 @@ def _before_forward(state: RTPState, load: Callable[..., nn.Module], args: tuple
     faults.point("forward")
     ring = state.topology.ring
     # the meeting also settles what this forward's rotated ops move (model.traffic)
-    traffic.agree(ring, state.topology.enter("forward", traffic.payload(ring, args, kwargs)))
+    traffic.agree(ring, state.topology.enter("forward", traffic.payload(ring, args, kwargs, keep)))

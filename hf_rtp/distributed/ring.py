@@ -424,8 +424,8 @@ class Ring:
     counted), kept after it, through its backward: what model/tiled_mlp.py cuts tiles by, on every rank alike."""
 
     brought: tuple[int, int] | None = None
-    """What this rank's own forward brought, its tokens and its sequences, beside the `traffic` every rank agreed
-    on (model/traffic.py; None outside a forward): token_walk's `brought`."""
+    """What this rank's own forward brought, its tokens and those its LM head sees, beside the `traffic` every rank
+    agreed on (model/traffic.py; None outside a forward): token_walk's `brought`."""
 
     # a forward that moves the tokens instead of the weights: distributed/token_walk.py says how
     token_walk = _token_walk

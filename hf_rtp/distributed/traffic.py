@@ -22,8 +22,8 @@ class Traffic:
     rank records gradients (`grad`)."""
 
     bound: int
-    sequences: int
-    """the most sequences any rank brings: where an LM head's walk starts (generate keeps the last logits)"""
+    head: int
+    """the most tokens any rank's LM head sees (its `logits_to_keep`): where the head's walk starts"""
     moves: str
     grad: bool
 

@@ -84,7 +84,8 @@ def rotate_forward(
     the ranks agreed on.
     `backward`: the op's backward reads what `compute` leaves of this rank's tokens beside `out` (the
     experts' activations), so the tokens move only when no rank's forward records gradients. `head`: an LM
-    head, which generate calls on each sequence's last token: its walk starts at the most sequences a rank has.
+    head, which generate calls on each sequence's last tokens (`logits_to_keep`): its walk starts at the most
+    tokens any rank's head sees.
     `blank` and `fold`: how an output that is not a sum of the chunks' shares starts and joins (token_walk), where
     `out` starts as `blank` leaves it. Returns the rows each rank's tokens travelled in, or None: the weights walked
     (every rank alike, so a backward may follow the same way: layers/embedding.py).
@@ -122,7 +123,7 @@ def token_bound(
     if traffic is None or ring.size == 1 or current_graph_task_id() != -1 or (backward and traffic.grad):
         return None
     if bound is None:
-        bound = traffic.sequences if head else traffic.bound
+        bound = traffic.head if head else traffic.bound
     row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in (*tokens, out))
     # a walk holds a hop's message, the accumulator and its landing in one slot, N-1 hops' arrivals in the other
     held = bound * (row_bytes + 8) * max(ring.size - 1, 3) + 64
@@ -131,7 +132,7 @@ def token_bound(
 
 
 def brought(ring: Ring, head: bool = False) -> int | None:
-    """The tokens this rank's own forward brought to an op (its sequences to a head), or None where the forward's
+    """The tokens this rank's own forward brought to an op (those its head sees, to a head), or None where the forward's
     start did not count them (Ring.token_walk then reads the walk's largest count on the host)."""
     return None if ring.brought is None else ring.brought[1 if head else 0]
 

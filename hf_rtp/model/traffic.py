@@ -5,8 +5,9 @@ cheaper, in bytes and hops (distributed.traffic.Traffic). Every rank of the ring
 how many token rows the others send, so at each forward's meeting (the `forward` entry every rank makes
 already, rendezvous.enter) each rank brings the tokens of its forward and their sequences, whether it
 records gradients, and its rotation_moves; the ring walks with the most tokens any rank brought (shorter
-token sets travel padded), and the LM head with the most sequences (generate keeps only each sequence's
-last logits; an op that sees more learns so from its walk, Ring.token_walk). A forward whose inputs this
+token sets travel padded), and the LM head with the most tokens any rank's head sees: transformers'
+`logits_to_keep` (generate keeps each sequence's last logits, assisted decoding the candidates' too, which
+differ by rank); an op that sees more learns so from its walk, Ring.token_walk. A forward whose inputs this
 module cannot count (images beside the text, a call without input_ids or inputs_embeds) moves weights, on
 every rank. Each rank also keeps what its own forward brought (Ring.brought): an op on no more tokens than
 that reads no count on the host in its walk.
@@ -30,10 +31,10 @@ _TEXT_INPUTS = frozenset(
 _UNCOUNTED = -1
 
 
-def tokens_of(args: tuple, kwargs: dict, text_only: bool = False) -> tuple[int, int]:
-    """The tokens a backbone forward brings to its rotated ops and in how many sequences, or _UNCOUNTED twice.
-    `text_only`: its input_ids' (or inputs_embeds') tokens whatever else it is given (context parallelism's
-    shift_labels, images)."""
+def tokens_of(args: tuple, kwargs: dict, text_only: bool = False, keep=None) -> tuple[int, int]:
+    """The tokens a backbone forward brings to its rotated ops and how many of them its LM head sees (`keep`: the
+    model's logits_to_keep, None where unknown), or _UNCOUNTED twice. `text_only`: its input_ids' (or
+    inputs_embeds') tokens whatever else it is given (context parallelism's shift_labels, images)."""
     given = dict(kwargs)
     if args:
         if len(args) > 1 or "input_ids" in given:
@@ -43,16 +44,24 @@ def tokens_of(args: tuple, kwargs: dict, text_only: bool = False) -> tuple[int, 
         return _UNCOUNTED, _UNCOUNTED
     ids, embeds = given.get("input_ids"), given.get("inputs_embeds")
     if isinstance(ids, torch.Tensor) and embeds is None:
-        return ids.numel(), ids[..., 0].numel()
+        return ids.numel(), _head_tokens(ids.numel(), ids[..., 0].numel(), keep)
     if isinstance(embeds, torch.Tensor) and ids is None:
-        return embeds[..., 0].numel(), embeds[..., 0, 0].numel()
+        return embeds[..., 0].numel(), _head_tokens(embeds[..., 0].numel(), embeds[..., 0, 0].numel(), keep)
     return _UNCOUNTED, _UNCOUNTED
 
 
-def payload(ring: Ring, args: tuple, kwargs: dict) -> list[int]:
-    """What this rank brings to the forward's meeting."""
+def _head_tokens(tokens: int, sequences: int, keep) -> int:
+    """The tokens an LM head sees, by transformers' `logits_to_keep`: each sequence's last `keep` where it is a
+    positive int, every token where it is 0 or not given (a tensor of positions makes the forward uncounted)."""
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0 and sequences > 0:
+        return sequences * min(keep, tokens // sequences)
+    return tokens
+
+
+def payload(ring: Ring, args: tuple, kwargs: dict, keep=None) -> list[int]:
+    """What this rank brings to the forward's meeting (`keep`: the model's logits_to_keep, None where unknown)."""
     text = tokens_of(args, kwargs, text_only=True)[0]
-    return [*tokens_of(args, kwargs), int(torch.is_grad_enabled()), MOVES.index(ring.moves), text]
+    return [*tokens_of(args, kwargs, keep=keep), int(torch.is_grad_enabled()), MOVES.index(ring.moves), text]
 
 
 def agree(ring: Ring, everyone: list[list[int]]) -> None:
@@ -72,7 +81,7 @@ def agree(ring: Ring, everyone: list[list[int]]) -> None:
         return
     ring.traffic = Traffic(
         bound=max(counts),
-        sequences=max(sequences for _, sequences, *_ in everyone),
+        head=max(head for _, head, *_ in everyone),
         moves=ring.moves,
         grad=any(grad for _, _, grad, *_ in everyone),
     )

@@ -151,3 +151,28 @@ def test_a_forward_and_generate_under_inference_mode_move_tokens_as_under_no_gra
     which the reuse of moved tokens read (k_proj after q_proj): such tokens move for each op instead."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     assert all(walks > 0 for walks in run_on_ranks(_under_inference_mode, 2, ckpt))
+
+
+def _prompt_lookup(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves="activations")
+    # rank 0's prompt repeats an n-gram, so prompt lookup proposes candidates there and none on rank 1: their
+    # verification forwards keep different numbers of logits per sequence (logits_to_keep = candidates + 1)
+    prompts = torch.tensor([[5, 6, 7, 8, 9, 5, 6]]) if rank == 0 else torch.tensor([[11, 12, 13, 14, 15, 16, 17]])
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None, prompt_lookup_num_tokens=3)
+    settings.update(attention_mask=torch.ones_like(prompts))
+    tokens = model.generate(prompts, **settings)
+    assert torch.equal(tokens, vanilla.generate(prompts, **settings)), tokens.tolist()
+    return hf_rtp.state_of(model).topology.ring.token_walks
+
+
+def test_prompt_lookup_whose_ranks_keep_different_logits_equals_vanilla_when_tokens_move(tmp_path):
+    """The LM head's walk starts at the most tokens any rank's head sees (logits_to_keep), not the most
+    sequences: a rank that kept more logits than its sequences met a rank that read no count, and both failed."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert all(walks > 0 for walks in run_on_ranks(_prompt_lookup, 2, ckpt))

@@ -294,7 +294,7 @@ def _brought_on_a_grid(ckpt):
     ring, seen = hf_rtp.state_of(model).topology.ring, []
     model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(ring.brought))
     with torch.no_grad():
-        model(global_batch(4, batch=1 + rank, seq=3 + rank)[rank])
+        model(global_batch(4, batch=1 + rank, seq=3 + rank)[rank], logits_to_keep=1)  # the head: one a sequence
     return seen[0]
 
 
@@ -329,7 +329,7 @@ def _walks(wide: int, rows: int):
     def run(tokens: int, bound: int, brought: int):
         x = torch.randn(tokens, wide, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
         out = torch.full((tokens, rows), float("nan"), dtype=torch.float64)
-        ring.traffic = Traffic(bound=bound, sequences=bound, moves="activations", grad=False)
+        ring.traffic = Traffic(bound=bound, head=bound, moves="activations", grad=False)
         ring.brought, walks = (brought, brought), ring.token_walks
         try:
             with Reads() as reads:

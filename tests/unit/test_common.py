@@ -67,7 +67,7 @@ def test_a_frozen_weight_or_bias_gets_no_gradient_and_the_other_vanillas():
 
 def test_a_ring_of_one_walks_its_weights_even_when_tokens_were_agreed():
     ring = Ring(None)
-    ring.traffic = Traffic(bound=1, sequences=1, moves="activations", grad=False)
+    ring.traffic = Traffic(bound=1, head=1, moves="activations", grad=False)
     w = torch.randn(8, 4, dtype=torch.float64)
     x = torch.randn(1, 4, dtype=torch.float64)
     out = torch.zeros(1, 8, dtype=torch.float64)
@@ -132,8 +132,8 @@ def _choices(wide: int, rows: int):
         ring.traffic = None
         return ring.token_walks - walks, (out - F.linear(x, whole)).abs().max().item()
 
-    def agreed(bound, moves="activations", grad=False, sequences=1):
-        return Traffic(bound=bound, sequences=sequences, moves=moves, grad=grad)
+    def agreed(bound, moves="activations", grad=False, head=1):
+        return Traffic(bound=bound, head=head, moves=moves, grad=grad)
 
     found = {
         "outside a forward": run(2, None),
@@ -143,7 +143,7 @@ def _choices(wide: int, rows: int):
         "auto, weights cheaper": run(2, agreed(2, moves="auto")),
         "its backward reads them, some rank records": run(2, agreed(2, grad=True), backward=True),
         "its backward reads them, no rank records": run(2, agreed(2), backward=True),
-        "a head, by sequences": run(1, agreed(3, sequences=1), head=True),
+        "a head, by sequences": run(1, agreed(3, head=1), head=True),
         "more than agreed, then fits": run(1 + rank, agreed(1)),
         "more than agreed, then too many": run(1 + 2 * rank, agreed(1)),
     }

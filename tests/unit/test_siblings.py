@@ -62,7 +62,7 @@ def _rotated(vanilla: _Block, ring: Ring) -> _Block:
 
 def _decoding(ring: Ring, tokens: int = 1) -> None:
     """What a forward's start agrees when every rank brings `tokens` tokens and none records gradients."""
-    ring.traffic = Traffic(bound=tokens, sequences=tokens, moves="activations", grad=False)
+    ring.traffic = Traffic(bound=tokens, head=tokens, moves="activations", grad=False)
 
 
 def test_direct_children_of_one_input_width_are_siblings():

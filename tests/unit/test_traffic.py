@@ -12,21 +12,27 @@ from hf_rtp.model import traffic
 
 def test_a_forwards_tokens_are_counted_from_its_text_inputs_only():
     ids = torch.zeros(3, 7, dtype=torch.long)
-    assert traffic.tokens_of((), {"input_ids": ids, "attention_mask": torch.ones(3, 7)}) == (21, 3)
-    assert traffic.tokens_of((ids,), {}) == (21, 3)  # input_ids by position
-    assert traffic.tokens_of((), {"inputs_embeds": torch.zeros(2, 5, 16)}) == (10, 2)
+    # (tokens, those the LM head sees): every token, unless the model's logits_to_keep keeps each sequence's last k
+    assert traffic.tokens_of((), {"input_ids": ids, "attention_mask": torch.ones(3, 7)}) == (21, 21)
+    assert traffic.tokens_of((ids,), {}) == (21, 21)  # input_ids by position
+    assert traffic.tokens_of((), {"inputs_embeds": torch.zeros(2, 5, 16)}) == (10, 10)
+    assert traffic.tokens_of((), {"input_ids": ids}, keep=1) == (21, 3)  # generate's decode step
+    assert traffic.tokens_of((), {"input_ids": ids}, keep=4) == (21, 12)  # assisted: 3 candidates + 1
+    assert traffic.tokens_of((), {"input_ids": ids}, keep=50) == (21, 21)  # more than a sequence has
+    assert traffic.tokens_of((), {"input_ids": ids}, keep=0) == (21, 21)
+    assert traffic.tokens_of((), {"inputs_embeds": torch.zeros(2, 5, 16)}, keep=2) == (10, 4)
     uncounted = (-1, -1)
     # images bring tokens of their own to the vision tower's rotated ops: weights move
     assert traffic.tokens_of((), {"input_ids": ids, "pixel_values": torch.zeros(1, 3, 4, 4)}) == uncounted
-    assert traffic.tokens_of((), {"pixel_values": None, "input_ids": ids}) == (21, 3)  # a decode step's None
+    assert traffic.tokens_of((), {"pixel_values": None, "input_ids": ids}) == (21, 21)  # a decode step's None
     assert traffic.tokens_of((ids, ids), {}) == uncounted
     assert traffic.tokens_of((), {}) == uncounted
 
 
-def test_ranks_agree_on_the_most_tokens_and_sequences_and_any_gradient():
+def test_ranks_agree_on_the_most_tokens_and_head_tokens_and_any_gradient():
     ring = Ring(None)
     traffic.agree(ring, [[21, 3, 0, 0, 21], [8, 8, 1, 0, 8]])
-    assert ring.traffic == Traffic(bound=21, sequences=8, moves="auto", grad=True)
+    assert ring.traffic == Traffic(bound=21, head=8, moves="auto", grad=True)
     assert ring.most_tokens == 21
     # one rank cannot count its tokens: every rank moves weights; its text tokens still count (tiled_mlp)
     traffic.agree(ring, [[21, 3, 0, 0, 21], [-1, -1, 0, 0, 30]])
@@ -46,7 +52,7 @@ def test_the_text_tokens_count_beside_what_moves_cannot_count():
     ids = torch.zeros(3, 7, dtype=torch.long)
     given = {"input_ids": ids, "shift_labels": ids}  # context parallelism's
     assert traffic.tokens_of((), given) == (-1, -1)
-    assert traffic.tokens_of((), given, text_only=True) == (21, 3)
+    assert traffic.tokens_of((), given, text_only=True) == (21, 21)
 
 
 @pytest.mark.parametrize(
