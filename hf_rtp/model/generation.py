@@ -2,25 +2,40 @@
 
 transformers stops a rank's loop when its own sequences are done, which would leave the others
 waiting in the ring. With `synced_gpus=True` finished ranks keep running forward passes until all
-ranks are done (as under DeepSpeed ZeRO-3 or FSDP). hf_rtp makes that the default at world size > 1.
+ranks are done (as under DeepSpeed ZeRO-3 or FSDP). hf_rtp makes that the default at world size > 1,
+and refuses `synced_gpus=False` there by name.
+
+transformers' finished rank keeps stepping its own decode: its cache and positions go on past its own
+length limit (a static cache or learned positions sized by its max_length overflow where another rank's
+prompts are shorter), and an assisted decode asks its assistant for a negative number of tokens. hf_rtp's
+finished rank instead leaves transformers' loop and, until every rank is done, makes the meeting transformers
+makes each step and one forward of a single token without a cache (`_done_until_all_are`): the ring's walks
+are the same, and nothing of its own decode moves. Its random state is left as it was when it finished, as
+vanilla DDP's rank would have it (that rank stops there).
 
 Ranks step together, so they must decode with the same settings: ranks that pass generate different
 generation settings (max_new_tokens, sampling, beams, ...) fail at once, every rank naming the difference.
-Each rank's inputs are its own.
+Each rank's inputs are its own. An assistant model for assisted decoding must be a transformers model:
+transformers sizes each rank's draft by that rank's remaining budget and skips it at 0, so a rotated
+assistant's ring would be walked a different number of times on each rank.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import types
 
+import torch
 from transformers import GenerationConfig
 
+from ..errors import CollectiveMisuseError
 from . import traffic
 from .context import refuse_inside
-from .state import state_of
+from .state import is_rotated, state_of
 
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # an object's repr differs per process: compared by its type only
+_DONE = "_has_unfinished_sequences"  # transformers' per-step check, which all-reduces whether each rank is done
 
 
 def settings_of(model, args: tuple, kwargs: dict, synced_gpus: bool) -> dict[str, str]:
@@ -33,6 +48,8 @@ def settings_of(model, args: tuple, kwargs: dict, synced_gpus: bool) -> dict[str
     config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
     settings = {name: _ADDRESS.sub("", repr(value)) for name, value in config.to_dict().items()}
     settings["synced_gpus"] = repr(synced_gpus)
+    assistant = kwargs.get("assistant_model")
+    settings["assistant_model"] = "none" if assistant is None else "rotated" if is_rotated(assistant) else "its own"
     return settings
 
 
@@ -42,8 +59,45 @@ def generate(model, *args, synced_gpus: bool | None = None, **kwargs):
     topology.enter("generate")
     if synced_gpus is None:
         synced_gpus = topology.world_size > 1
-    topology.same_settings("generate", settings_of(model, args, kwargs, synced_gpus))
+    settings = settings_of(model, args, kwargs, synced_gpus)
+    topology.same_settings("generate", settings)
+    if topology.world_size > 1:
+        _refuse_unsynced(synced_gpus, settings["assistant_model"])
+        model.__dict__[_DONE] = types.MethodType(_done_until_all_are, model)
     try:
         return type(model).generate(model, *args, synced_gpus=synced_gpus, **kwargs)
     finally:
+        model.__dict__.pop(_DONE, None)
         traffic.clear(topology.ring)
+
+
+def _refuse_unsynced(synced_gpus: bool, assistant: str) -> None:
+    """On every rank alike (the settings compared equal): what generate cannot do on a ring."""
+    if not synced_gpus:
+        raise CollectiveMisuseError(
+            "generate(synced_gpus=False) on a rotated model at world size > 1: every forward walks the ring, so a "
+            "rank whose sequences are done must keep stepping until every rank is (each rank's tokens are the "
+            "same either way). Leave synced_gpus unset, or pass True"
+        )
+    if assistant == "rotated":
+        raise CollectiveMisuseError(
+            "generate(assistant_model=...) with an assistant loaded by hf_rtp: transformers sizes each rank's draft "
+            "by that rank's remaining budget and skips it at 0, so ranks would walk the assistant's ring a different "
+            "number of times. Load the assistant with transformers (a whole small model on each rank), or pass "
+            "prompt_lookup_num_tokens"
+        )
+
+
+def _done_until_all_are(model, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
+    """transformers' _has_unfinished_sequences, for a rank whose own sequences may be done: while other ranks are
+    not, it makes their step's meeting and a forward of one token without a cache (its own decode left as it
+    finished), then ends this rank's loop when every rank is done."""
+    check = type(model)._has_unfinished_sequences
+    if not this_peer_finished:
+        return check(model, this_peer_finished, synced_gpus, device)
+    ghost = torch.zeros((1, 1), dtype=torch.long, device=device)
+    while check(model, True, synced_gpus, device):
+        # dropout in a training-mode model would draw: the random state is left as the rank finished with it
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model(input_ids=ghost, use_cache=False)
+    return False

@@ -1,0 +1,74 @@
+"""generate() when ranks finish at different steps: one max_length on every rank with prompts of different lengths,
+so one rank's budget runs out while another still decodes. A finished rank keeps walking the ring with the others
+(synced_gpus) without stepping its own decode past its limit: a static cache sized by its max_length, an assisted
+decode's draft budget. Each rank's tokens equal vanilla generate's on its own prompts, and the rank that finished
+first has the random state vanilla's rank would have. What generate cannot do on a ring is refused by name."""
+
+import os
+
+import torch
+from support.models import make_tiny
+from support.spawn import run_on_ranks
+
+from hf_rtp.errors import CollectiveMisuseError
+
+
+def _uneven_budgets(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    assistant = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, num_hidden_layers=1)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64)
+    # rank 0: 5 prompt tokens, rank 1: 8; with max_length 12 rank 1 is done 3 steps before rank 0
+    prompts = torch.randint(3, 101, (1, 5 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+    common = dict(max_length=12, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(prompts))
+    cases = {
+        "static cache": dict(do_sample=False, cache_implementation="static"),
+        "a vanilla assistant": dict(do_sample=False, assistant_model=assistant),
+        "sampling": dict(do_sample=True, top_k=0, temperature=0.8),
+        "beam search": dict(do_sample=False, num_beams=2, num_return_sequences=2),
+    }
+    states = {}
+    for name, settings in cases.items():
+        torch.manual_seed(100 + rank)
+        expected = vanilla.generate(prompts, **common, **settings)
+        after_vanilla = torch.get_rng_state()
+        torch.manual_seed(100 + rank)
+        tokens = model.generate(prompts, **common, **settings)
+        assert torch.equal(tokens, expected), (name, rank, tokens.tolist(), expected.tolist())
+        states[name] = torch.equal(torch.get_rng_state(), after_vanilla)
+    refused = {}
+    refusals = {"synced_gpus=False": dict(synced_gpus=False), "rotated": dict(assistant_model=model)}
+    for name, settings in refusals.items():
+        try:
+            model.generate(prompts, do_sample=False, **common, **settings)
+            refused[name] = None
+        except CollectiveMisuseError as err:
+            refused[name] = str(err)
+    return states, refused
+
+
+def test_a_rank_whose_budget_ends_first_walks_on_without_stepping_its_own_decode(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for states, refused in run_on_ranks(_uneven_budgets, 2, ckpt):
+        assert all(states.values()), states  # the random state after generate: vanilla's, on both ranks
+        assert "synced_gpus" in (refused["synced_gpus=False"] or ""), refused
+        assert "assistant loaded by hf_rtp" in (refused["rotated"] or ""), refused
+
+
+def _ring_of_one(ckpt):
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+    prompts = torch.tensor([[5, 6, 7]])
+    tokens = model.generate(prompts, max_new_tokens=2, do_sample=False, synced_gpus=False, pad_token_id=0)
+    return "_has_unfinished_sequences" in model.__dict__, tuple(tokens.shape)
+
+
+def test_one_rank_decodes_as_transformers_does(tmp_path):
+    """With one process nothing walks: synced_gpus=False is transformers' own, and no check is swapped in."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    assert run_on_ranks(_ring_of_one, 1, ckpt) == [(False, (1, 5))]
