@@ -34,7 +34,7 @@ from torch import nn
 
 from ..checkpoint.load import load_into
 from ..distributed.rotated import COMPILE_REFUSED
-from ..errors import IntegrationError, RotatedStateError, SettingError
+from ..errors import CheckpointError, IntegrationError, RotatedStateError, SettingError
 from ..log import warning
 from ..model import context
 from ..model.state import rotated_module, state_of
@@ -230,11 +230,31 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     save_training_state(os.path.join(output_dir, STATE_DIR), self.model, _optimizer(self), self.lr_scheduler)
 
 
+# what transformers' Trainer writes for the optimizer and scheduler (transformers.trainer's OPTIMIZER_NAME,
+# OPTIMIZER_NAME_BIN and SCHEDULER_NAME): pickles, which hf_rtp never loads
+_PICKLED_STATE = ("optimizer.pt", "optimizer.bin", "scheduler.pt")
+
+
+def _refuse_pickled_state(checkpoint: str) -> None:
+    """A checkpoint a Trainer wrote without hf_rtp: vanilla would resume its optimizer and scheduler from it; hf_rtp
+    cannot, and a resume without them would go on at its step with the moments and the schedule restarted."""
+    found = [name for name in _PICKLED_STATE if os.path.isfile(os.path.join(checkpoint, name))]
+    if found and not os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
+        raise CheckpointError(
+            f"{checkpoint} holds {' and '.join(found)}, the optimizer and scheduler state transformers' Trainer "
+            f"pickles, and no {STATE_DIR}: it was written without hf_rtp. hf_rtp does not unpickle them, and resuming "
+            "without them would go on at its step with the optimizer's moments and the learning-rate schedule "
+            "restarted. Resume from a checkpoint a Trainer wrote on the hf_rtp model, or start a new run from its "
+            "weights: hf_rtp.from_pretrained(checkpoint), without resume_from_checkpoint"
+        )
+
+
 def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     if checkpoint is None:
         return
+    _refuse_pickled_state(checkpoint)
     path = os.path.join(checkpoint, STATE_DIR)
-    if not os.path.isdir(path):
+    if not os.path.isdir(path):  # as vanilla, which loads nothing where it saved no optimizer
         warning(f"{checkpoint} has no {STATE_DIR}: optimizer and scheduler start afresh (save_only_model?)")
         return
     load_training_state(path, self.model, _optimizer(self), self.lr_scheduler)
@@ -242,6 +262,7 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
 
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
     model = model if model is not None else self.model
+    _refuse_pickled_state(resume_from_checkpoint)  # before the weights: nothing is loaded from it
     if os.path.isdir(os.path.join(resume_from_checkpoint, STATE_DIR)):
         return  # the weights come back with the optimizer, from the same verified state
     if _is_peft(model):

@@ -121,6 +121,16 @@ def _train_save_resume(ckpt, out):
 
     resumed, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "rotated"))
     resumed.train(resume_from_checkpoint=os.path.join(out, "rotated", "copy-of-checkpoint-4"))
+
+    # vanilla's checkpoint pickles its optimizer and scheduler: refused, not resumed with both restarted
+    from_vanilla, _ = _trainer(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), os.path.join(out, "from-vanilla"))
+    try:
+        from_vanilla.train(resume_from_checkpoint=vanilla.state.best_model_checkpoint)
+        refused = None
+    except hf_rtp.CheckpointError as err:
+        refused = str(err)
+    assert refused is not None and "optimizer.pt and scheduler.pt" in refused, refused
+    assert from_vanilla.state.global_step == 0  # nothing ran
     return _losses(vanilla), _losses(rotated), _losses(resumed), kept, best
 
 
