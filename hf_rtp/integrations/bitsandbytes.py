@@ -373,10 +373,33 @@ def _before_step(optimizer, args, kwargs) -> None:
         unaligned = [p for gindex, pindex, group, p in fresh if not _init_rows(optimizer, group, p, gindex, pindex)]
     finally:
         bitsandbytes_names.set_paged(optimizer, paged)
+    try:
+        for _, _, _, p in fresh:
+            _refuse_whole_state(optimizer, p)
+    except RotatedStateError:
+        for _, _, _, p in fresh:  # refused before any row stepped: no state left behind, as LAMB's refusal leaves
+            optimizer.state.pop(p, None)
+        raise
     if unaligned:
         shapes = ", ".join(str(tuple(p.shape)) for p in unaligned[:5]) + (", ..." if len(unaligned) > 5 else "")
         world = unaligned[0].device_mesh.size()
         log.warning(_UNALIGNED.format(block=BLOCK, world=world, count=len(unaligned), shapes=shapes))
+
+
+def _refuse_whole_state(optimizer, p: DTensor) -> None:
+    """A state tensor bitsandbytes' init sized by the whole parameter rather than like it (AdEMAMix's two EMAs in one
+    (2, *shape) tensor): its update op would meet this rank's rows with the whole tensor's state."""
+    small = bitsandbytes_names.SCALES + bitsandbytes_names.CODE_MAPS  # per block and per code: made this rank's above
+    for key, value in optimizer.state[p].items():
+        if key in small or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if value.numel() >= p.numel():
+            raise RotatedStateError(
+                f"bitsandbytes' {type(optimizer).__name__} keeps its state {key!r} for the whole parameter "
+                f"({tuple(value.shape)} for {tuple(p.shape)}), not like the parameter, so it cannot step each rank's "
+                "rows. Use bitsandbytes' AdamW8bit, Adam8bit, Lion8bit (or their 32-bit and paged forms), or "
+                "torch.optim.AdamW, with a rotated model"
+            )
 
 
 def _init_rows(optimizer, group: dict, p: DTensor, gindex: int, pindex: int) -> bool:

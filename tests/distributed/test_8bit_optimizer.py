@@ -272,14 +272,14 @@ def test_trainer_optim_adamw_bnb_8bit_trains_like_vanilla_and_resumes_exactly(tm
     assert paged and paged_differences == []  # on CPU bitsandbytes does not page: the same steps
 
 
-def _lamb(ckpt):
+def _refused(ckpt, name):
     import bitsandbytes as bnb
 
     import hf_rtp
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = bnb.optim.LAMB8bit(model.parameters(), lr=1e-2)
+    optimizer = getattr(bnb.optim, name)(model.parameters(), lr=1e-2)
     batch = global_batch(2)[int(os.environ["RANK"])]
     model(input_ids=batch, labels=batch).loss.backward()
     hf_rtp.sync_grads(model)  # as a plain loop must: the refusal is LAMB's, not the unaveraged norms'
@@ -289,9 +289,17 @@ def _lamb(ckpt):
     return str(refused.value), untouched, len(optimizer.state)
 
 
-def test_an_update_bounded_by_the_whole_norm_lamb_is_refused_before_any_row_steps(tmp_path):
-    for message, untouched, states in run_on_ranks(_lamb, 2, make_tiny("llama", tmp_path / "ckpt", **WIDE)):
-        assert "LAMB8bit bounds each update by the whole parameter's norm (max_unorm" in message, message
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("LAMB8bit", "LAMB8bit bounds each update by the whole parameter's norm (max_unorm"),
+        # its two EMAs in one (2, *shape) tensor, sized by the whole parameter: its update met the rows and crashed
+        ("AdEMAMix", "AdEMAMix keeps its state 'state1' for the whole parameter ((2, "),
+    ],
+)
+def test_an_optimizer_that_needs_the_whole_parameter_is_refused_before_any_row_steps(tmp_path, name, said):
+    for message, untouched, states in run_on_ranks(_refused, 2, make_tiny("llama", tmp_path / "ckpt", **WIDE), name):
+        assert said in message, message
         assert untouched and states == 0
 
 
