@@ -371,15 +371,12 @@ def _before_step(optimizer, args, kwargs) -> None:
         log.warning(_PAGED)
     try:
         unaligned = [p for gindex, pindex, group, p in fresh if not _init_rows(optimizer, group, p, gindex, pindex)]
-    finally:
-        bitsandbytes_names.set_paged(optimizer, paged)
-    try:
-        for _, _, _, p in fresh:
-            _refuse_whole_state(optimizer, p)
     except RotatedStateError:
         for _, _, _, p in fresh:  # refused before any row stepped: no state left behind, as LAMB's refusal leaves
             optimizer.state.pop(p, None)
         raise
+    finally:
+        bitsandbytes_names.set_paged(optimizer, paged)
     if unaligned:
         shapes = ", ".join(str(tuple(p.shape)) for p in unaligned[:5]) + (", ..." if len(unaligned) > 5 else "")
         world = unaligned[0].device_mesh.size()
@@ -406,6 +403,7 @@ def _init_rows(optimizer, group: dict, p: DTensor, gindex: int, pindex: int) -> 
     """bitsandbytes' own init (8-bit or not by the global size), its block scales made this rank's; False when
     the rows do not align and the state became float32 instead."""
     bitsandbytes_names.first_state(optimizer, group, p, gindex, pindex)
+    _refuse_whole_state(optimizer, p)  # as bitsandbytes made it, before any of it is made this rank's below
     state = optimizer.state[p]
     if state[bitsandbytes_names.MOMENTS[0]].dtype != torch.uint8:
         return True

@@ -272,14 +272,14 @@ def test_trainer_optim_adamw_bnb_8bit_trains_like_vanilla_and_resumes_exactly(tm
     assert paged and paged_differences == []  # on CPU bitsandbytes does not page: the same steps
 
 
-def _refused(ckpt, name):
+def _refused(ckpt, name, options):
     import bitsandbytes as bnb
 
     import hf_rtp
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = getattr(bnb.optim, name)(model.parameters(), lr=1e-2)
+    optimizer = getattr(bnb.optim, name)(model.parameters(), lr=1e-2, **options)
     batch = global_batch(2)[int(os.environ["RANK"])]
     model(input_ids=batch, labels=batch).loss.backward()
     hf_rtp.sync_grads(model)  # as a plain loop must: the refusal is LAMB's, not the unaveraged norms'
@@ -290,15 +290,21 @@ def _refused(ckpt, name):
 
 
 @pytest.mark.parametrize(
-    "name, said",
+    "name, options, shape, said",
     [
-        ("LAMB8bit", "LAMB8bit bounds each update by the whole parameter's norm (max_unorm"),
+        ("LAMB8bit", {}, WIDE, "LAMB8bit bounds each update by the whole parameter's norm (max_unorm"),
         # its two EMAs in one (2, *shape) tensor, sized by the whole parameter: its update met the rows and crashed
-        ("AdEMAMix", "AdEMAMix keeps its state 'state1' for the whole parameter ((2, "),
+        ("AdEMAMix", {}, WIDE, "AdEMAMix keeps its state 'state1' for the whole parameter ((2, "),
+        # 8-bit, and at 2 ranks no row aligns on a block: refused before its state would be made float32 rows
+        ("AdEMAMix8bit", {"min_8bit_size": 1}, dict(hidden_size=24), "AdEMAMix8bit keeps its state 'state1'"),
     ],
+    ids=["LAMB8bit", "AdEMAMix", "AdEMAMix8bit-unaligned"],
 )
-def test_an_optimizer_that_needs_the_whole_parameter_is_refused_before_any_row_steps(tmp_path, name, said):
-    for message, untouched, states in run_on_ranks(_refused, 2, make_tiny("llama", tmp_path / "ckpt", **WIDE), name):
+def test_an_optimizer_that_needs_the_whole_parameter_is_refused_before_any_row_steps(
+    tmp_path, name, options, shape, said
+):
+    ckpt = make_tiny("llama", tmp_path / "ckpt", **shape)
+    for message, untouched, states in run_on_ranks(_refused, 2, ckpt, name, options):
         assert said in message, message
         assert untouched and states == 0
 
