@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -230,19 +231,22 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     save_training_state(os.path.join(output_dir, STATE_DIR), self.model, _optimizer(self), self.lr_scheduler)
 
 
-# what transformers' Trainer writes for the optimizer and scheduler (transformers.trainer's OPTIMIZER_NAME,
-# OPTIMIZER_NAME_BIN and SCHEDULER_NAME): pickles, which hf_rtp never loads
-_PICKLED_STATE = ("optimizer.pt", "optimizer.bin", "scheduler.pt")
+# what transformers' Trainer writes for the optimizer and scheduler: optimizer.pt or .bin, an FSDP or accelerate
+# optimizer_0/ folder, XLA's rank*-of-N-optimizer.pt, and scheduler.pt (transformers.trainer's OPTIMIZER_NAME,
+# OPTIMIZER_NAME_BIN, SCHEDULER_NAME): pickles or torch.distributed.checkpoint of another layout, never loaded here
+_PICKLED_STATE = re.compile(r"(optimizer(\.pt|\.bin|_\d+)|rank\d+-of-\d+-optimizer\.pt|scheduler\.pt)")
 
 
 def _refuse_pickled_state(checkpoint: str) -> None:
     """A checkpoint a Trainer wrote without hf_rtp: vanilla would resume its optimizer and scheduler from it; hf_rtp
     cannot, and a resume without them would go on at its step with the moments and the schedule restarted."""
-    found = [name for name in _PICKLED_STATE if os.path.isfile(os.path.join(checkpoint, name))]
-    if found and not os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
+    if os.path.isdir(os.path.join(checkpoint, STATE_DIR)) or not os.path.isdir(checkpoint):
+        return
+    found = sorted(name for name in os.listdir(checkpoint) if _PICKLED_STATE.fullmatch(name))
+    if found:
         raise CheckpointError(
             f"{checkpoint} holds {' and '.join(found)}, the optimizer and scheduler state transformers' Trainer "
-            f"pickles, and no {STATE_DIR}: it was written without hf_rtp. hf_rtp does not unpickle them, and resuming "
+            f"writes, and no {STATE_DIR}: it was written without hf_rtp. hf_rtp does not load them, and resuming "
             "without them would go on at its step with the optimizer's moments and the learning-rate schedule "
             "restarted. Resume from a checkpoint a Trainer wrote on the hf_rtp model, or start a new run from its "
             "weights: hf_rtp.from_pretrained(checkpoint), without resume_from_checkpoint"
