@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveMisuseError
 
-PAYLOAD = 5  # integers a meeting carries beside the call's name: one fixed width, whatever the call
+PAYLOAD = 6  # integers a meeting carries beside the call's name: one fixed width, whatever the call
 
 _CALLS = {
     zlib.crc32(c.encode()): c

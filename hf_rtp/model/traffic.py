@@ -52,7 +52,8 @@ def tokens_of(args: tuple, kwargs: dict, text_only: bool = False, keep=None) -> 
 
 def _head_tokens(tokens: int, sequences: int, keep) -> int:
     """The tokens an LM head sees, by transformers' `logits_to_keep`: each sequence's last `keep` where it is a
-    positive int, every token where it is 0 or not given (a tensor of positions makes the forward uncounted)."""
+    positive int, every token otherwise (0, not given, or a tensor of positions: at most every token, an upper
+    bound; a head that sees more reads the true count in its walk)."""
     if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0 and sequences > 0:
         return sequences * min(keep, tokens // sequences)
     return tokens
@@ -61,24 +62,33 @@ def _head_tokens(tokens: int, sequences: int, keep) -> int:
 def payload(ring: Ring, args: tuple, kwargs: dict, keep=None) -> list[int]:
     """What this rank brings to the forward's meeting (`keep`: the model's logits_to_keep, None where unknown)."""
     text = tokens_of(args, kwargs, text_only=True)[0]
-    return [*tokens_of(args, kwargs, keep=keep), int(torch.is_grad_enabled()), MOVES.index(ring.moves), text]
+    inference = int(torch.is_inference_mode_enabled())  # inference tensors walk otherwise (token_walk.identities)
+    return [*tokens_of(args, kwargs, keep=keep), int(torch.is_grad_enabled()), MOVES.index(ring.moves), text, inference]
 
 
 def agree(ring: Ring, everyone: list[list[int]]) -> None:
     """Set the ring's traffic for this forward from every rank's payload (the same on every rank)."""
-    moves = {MOVES[code] for _, _, _, code, _ in everyone}
+    moves = {MOVES[code] for _, _, _, code, _, _ in everyone}
     if len(moves) > 1:
         raise CollectiveMisuseError(
             "ranks passed different rotation_moves to from_pretrained: "
-            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (_, _, _, code, _) in enumerate(everyone))
+            + ", ".join(f"rank {r}: {MOVES[code]!r}" for r, (_, _, _, code, _, _) in enumerate(everyone))
             + ". Every rank must walk the ring the same way: pass one value on every rank."
         )
     counts = [tokens for tokens, *_ in everyone]
-    texts = [text for *_, text in everyone]
+    texts = [text for *_, text, _ in everyone]
     ring.most_tokens = None if _UNCOUNTED in texts else max(texts)  # kept through backward: not cleared below
     if _UNCOUNTED in counts or ring.moves == "weights":
         clear(ring)
         return
+    inference = [r for r, (*_, under) in enumerate(everyone) if under]
+    if 0 < len(inference) < len(everyone):  # where tokens may move: weights walk alike in either mode
+        raise CollectiveMisuseError(
+            f"ranks ran a forward in different modes: under torch.inference_mode on rank(s) "
+            f"{', '.join(map(str, inference))} only. Its tensors make the ops that move tokens walk otherwise (each "
+            "alone), so every rank must run the forward under torch.inference_mode, or none (torch.no_grad is the "
+            'same on all), or load with rotation_moves="weights"'
+        )
     ring.traffic = Traffic(
         bound=max(counts),
         head=max(head for _, head, *_ in everyone),

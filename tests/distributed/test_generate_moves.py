@@ -143,14 +143,25 @@ def _under_inference_mode(ckpt):
         expected = vanilla.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
         torch.testing.assert_close(logits, vanilla(prompts).logits, atol=1e-10, rtol=1e-10)
     assert torch.equal(tokens, expected), (tokens.tolist(), expected.tolist())
-    return hf_rtp.state_of(model).topology.ring.token_walks
+    walks = hf_rtp.state_of(model).topology.ring.token_walks
+    # one rank under inference_mode, the other under no_grad: their ops would walk differently, so both refuse
+    try:
+        with torch.inference_mode() if rank == 0 else torch.no_grad():
+            model(prompts)
+        mixed = None
+    except hf_rtp.CollectiveMisuseError as err:
+        mixed = str(err)
+    return walks, mixed
 
 
 def test_a_forward_and_generate_under_inference_mode_move_tokens_as_under_no_grad(tmp_path):
     """torch.inference_mode (transformers' pipelines, many eval loops) makes tensors without a version counter,
-    which the reuse of moved tokens read (k_proj after q_proj): such tokens move for each op instead."""
+    which the reuse of moved tokens read (k_proj after q_proj): such tokens move for each op instead. Ranks in
+    different modes would walk differently: every rank refuses that forward by name."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    assert all(walks > 0 for walks in run_on_ranks(_under_inference_mode, 2, ckpt))
+    for walks, mixed in run_on_ranks(_under_inference_mode, 2, ckpt):
+        assert walks > 0
+        assert mixed is not None and "under torch.inference_mode on rank(s) 0 only" in mixed, mixed
 
 
 def _prompt_lookup(ckpt):

@@ -23,7 +23,7 @@ SECOND = timedelta(seconds=1)
 
 def test_a_world_of_one_meets_without_a_group_and_gets_its_payload_back_zero_padded():
     assert not dist.is_initialized()  # and no group is needed: entry is None
-    assert enter("forward", None, 0, 1, SECOND, payload=(7, -3)) == [[7, -3, 0, 0, 0]]
+    assert enter("forward", None, 0, 1, SECOND, payload=(7, -3)) == [[7, -3, 0, 0, 0, 0]]
     assert enter("generate", None, 0, 1, SECOND) == [[0] * PAYLOAD]
     assert enter("forward", None, 0, 1, SECOND, payload=range(PAYLOAD)) == [list(range(PAYLOAD))]
 

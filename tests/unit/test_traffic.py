@@ -31,21 +31,26 @@ def test_a_forwards_tokens_are_counted_from_its_text_inputs_only():
 
 def test_ranks_agree_on_the_most_tokens_and_head_tokens_and_any_gradient():
     ring = Ring(None)
-    traffic.agree(ring, [[21, 3, 0, 0, 21], [8, 8, 1, 0, 8]])
+    traffic.agree(ring, [[21, 3, 0, 0, 21, 0], [8, 8, 1, 0, 8, 0]])
     assert ring.traffic == Traffic(bound=21, head=8, moves="auto", grad=True)
     assert ring.most_tokens == 21
     # one rank cannot count its tokens: every rank moves weights; its text tokens still count (tiled_mlp)
-    traffic.agree(ring, [[21, 3, 0, 0, 21], [-1, -1, 0, 0, 30]])
+    traffic.agree(ring, [[21, 3, 0, 0, 21, 0], [-1, -1, 0, 0, 30, 0]])
     assert ring.traffic is None and ring.most_tokens == 30
     traffic.clear(ring)  # after the forward: kept through its backward
     assert ring.most_tokens == 30
-    traffic.agree(ring, [[21, 3, 0, 0, 21], [-1, -1, 0, 0, -1]])
+    traffic.agree(ring, [[21, 3, 0, 0, 21, 0], [-1, -1, 0, 0, -1, 0]])
     assert ring.most_tokens is None
     ring.moves = "weights"
-    traffic.agree(ring, [[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]])
+    traffic.agree(ring, [[1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 0]])
     assert ring.traffic is None and ring.most_tokens == 1
     with pytest.raises(CollectiveMisuseError, match="rank 0: 'auto', rank 1: 'weights'"):
-        traffic.agree(ring, [[1, 1, 0, 0, 1], [1, 1, 0, 1, 1]])
+        traffic.agree(ring, [[1, 1, 0, 0, 1, 0], [1, 1, 0, 1, 1, 0]])
+    traffic.agree(ring, [[1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]])  # weights walk alike in either mode
+    ring.moves = "auto"
+    traffic.agree(ring, [[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]])  # every rank under torch.inference_mode
+    with pytest.raises(CollectiveMisuseError, match=r"under torch.inference_mode on rank\(s\) 1 only"):
+        traffic.agree(ring, [[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]])
 
 
 def test_the_text_tokens_count_beside_what_moves_cannot_count():
