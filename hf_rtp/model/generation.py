@@ -15,9 +15,11 @@ vanilla DDP's rank would have it (that rank stops there).
 
 Ranks step together, so they must decode with the same settings: ranks that pass generate different
 generation settings (max_new_tokens, sampling, beams, ...) fail at once, every rank naming the difference.
-Each rank's inputs are its own. An assistant model for assisted decoding must be a transformers model:
-transformers sizes each rank's draft by that rank's remaining budget and skips it at 0, so a rotated
-assistant's ring would be walked a different number of times on each rank.
+Each rank's inputs are its own, except that a chunked prefill (prefill_chunk_size) makes a forward per chunk,
+so every rank's prompt must make as many chunks. An assistant model for assisted decoding must be a
+transformers model: transformers sizes each rank's draft by that rank's remaining budget and skips it at 0,
+so a rotated assistant's ring (or the model's own, drafting for itself: assistant_early_exit, use_mtp) would
+be walked a different number of times on each rank.
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def settings_of(model, args: tuple, kwargs: dict, synced_gpus: bool) -> dict[str
     settings["synced_gpus"] = repr(synced_gpus)
     assistant = kwargs.get("assistant_model")
     settings["assistant_model"] = "none" if assistant is None else "rotated" if is_rotated(assistant) else "its own"
+    if config.prefill_chunk_size:  # a forward per chunk of each rank's own prompt: ranks must make as many
+        prompt = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        if isinstance(prompt, torch.Tensor):
+            length = prompt.shape[1] if prompt.dim() > 1 else prompt.shape[0]
+            settings["prompt's prefill chunks (prefill_chunk_size: give every rank prompts as long)"] = str(
+                -(-length // config.prefill_chunk_size)
+            )
     return settings
 
 
@@ -62,7 +71,7 @@ def generate(model, *args, synced_gpus: bool | None = None, **kwargs):
     settings = settings_of(model, args, kwargs, synced_gpus)
     topology.same_settings("generate", settings)
     if topology.world_size > 1:
-        _refuse_unsynced(synced_gpus, settings["assistant_model"])
+        _refuse_unsynced(synced_gpus, settings)
         model.__dict__[_DONE] = types.MethodType(_done_until_all_are, model)
     try:
         return type(model).generate(model, *args, synced_gpus=synced_gpus, **kwargs)
@@ -71,7 +80,7 @@ def generate(model, *args, synced_gpus: bool | None = None, **kwargs):
         traffic.clear(topology.ring)
 
 
-def _refuse_unsynced(synced_gpus: bool, assistant: str) -> None:
+def _refuse_unsynced(synced_gpus: bool, settings: dict[str, str]) -> None:
     """On every rank alike (the settings compared equal): what generate cannot do on a ring."""
     if not synced_gpus:
         raise CollectiveMisuseError(
@@ -79,11 +88,15 @@ def _refuse_unsynced(synced_gpus: bool, assistant: str) -> None:
             "rank whose sequences are done must keep stepping until every rank is (each rank's tokens are the "
             "same either way). Leave synced_gpus unset, or pass True"
         )
-    if assistant == "rotated":
+    drafting = [k for k in ("assistant_early_exit", "use_mtp") if settings.get(k, "None") not in ("None", "False")]
+    if settings["assistant_model"] == "rotated" or drafting:
+        what = f"generate({drafting[0]}=...), where the model drafts for itself" if drafting else (
+            "generate(assistant_model=...) with an assistant loaded by hf_rtp"
+        )  # fmt: skip
         raise CollectiveMisuseError(
-            "generate(assistant_model=...) with an assistant loaded by hf_rtp: transformers sizes each rank's draft "
-            "by that rank's remaining budget and skips it at 0, so ranks would walk the assistant's ring a different "
-            "number of times. Load the assistant with transformers (a whole small model on each rank), or pass "
+            f"{what}: transformers sizes each rank's draft by that rank's remaining budget and skips it at 0, so "
+            "ranks would walk the drafting model's ring a different number of times. Load an assistant with "
+            "transformers (a whole small model on each rank) and pass it as assistant_model, or pass "
             "prompt_lookup_num_tokens"
         )
 

@@ -41,7 +41,12 @@ def _uneven_budgets(ckpt):
         assert torch.equal(tokens, expected), (name, rank, tokens.tolist(), expected.tolist())
         states[name] = torch.equal(torch.get_rng_state(), after_vanilla)
     refused = {}
-    refusals = {"synced_gpus=False": dict(synced_gpus=False), "rotated": dict(assistant_model=model)}
+    refusals = {
+        "synced_gpus=False": dict(synced_gpus=False),
+        "rotated": dict(assistant_model=model),
+        "drafting itself": dict(assistant_early_exit=1),
+        "prefill chunks": dict(prefill_chunk_size=5),  # 1 chunk of rank 0's 5 tokens, 2 of rank 1's 8
+    }
     for name, settings in refusals.items():
         try:
             model.generate(prompts, do_sample=False, **common, **settings)
@@ -57,6 +62,9 @@ def test_a_rank_whose_budget_ends_first_walks_on_without_stepping_its_own_decode
         assert all(states.values()), states  # the random state after generate: vanilla's, on both ranks
         assert "synced_gpus" in (refused["synced_gpus=False"] or ""), refused
         assert "assistant loaded by hf_rtp" in (refused["rotated"] or ""), refused
+        assert "generate(assistant_early_exit=...), where the model drafts for itself" in refused["drafting itself"]
+        chunks = refused["prefill chunks"] or ""
+        assert "prefill chunks (prefill_chunk_size" in chunks and "rank 1: 2" in chunks, chunks
 
 
 def _ring_of_one(ckpt):
