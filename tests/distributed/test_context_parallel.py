@@ -194,6 +194,8 @@ def _refusals(llama, qwen_window, mixtral_aux):
     cached = _batch(11)
     cached["use_cache"] = True
     refused(cached, "keeps no cache")
+    # the last positions a rank keeps are its own chunks', not the sequence's: logits of other tokens, same shape
+    refused({**_batch(11), "logits_to_keep": 1}, "logits_to_keep=1: a rank holds two chunks")
     refused(_batch(11, seed=3 + rank), "different tokens")  # a plain loop that gave ranks their own data
     refused(_batch(11 + rank), "different sequences")
 
@@ -251,12 +253,13 @@ def _refusals(llama, qwen_window, mixtral_aux):
 
 def test_what_it_does_not_compute_is_refused_on_every_rank_by_name(tmp_path):
     """Padding, packing, ranks given different sequences, a backward left outside the block, generate,
-    attention dropout, eager attention, a sliding window shorter than the sequence, the router's aux loss."""
+    logits_to_keep, attention dropout, eager attention, a sliding window shorter than the sequence, the router's
+    aux loss."""
     llama = make_tiny("llama", tmp_path / "llama")
     window = make_tiny("qwen2", tmp_path / "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     mixtral = make_tiny("mixtral", tmp_path / "mixtral")
     results = run_on_ranks(_refusals, 2, llama, window, mixtral)
-    assert [r[0] for r in results] == [9, 9]
+    assert [r[0] for r in results] == [10, 10]
     assert results[0][1] == results[1][1]
 
 

@@ -184,6 +184,14 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor, batch: i
         raise SettingError(
             "context parallelism keeps no cache (past_key_values, use_cache=True): it trains whole sequences"
         )
+    keep = kwargs.get("logits_to_keep")
+    if torch.is_tensor(keep) or (isinstance(keep, int) and not isinstance(keep, bool) and keep != 0):
+        raise SettingError(
+            f"context parallelism with logits_to_keep={keep!r}: a rank holds two chunks of the sequence (chunk r and "
+            "2N-1-r), so the last positions the model keeps are its own chunks', not the sequence's, on every rank "
+            "but the one holding the last chunk. Leave logits_to_keep unset inside the block (logits of every "
+            "position: context_parallel_unshard puts them back in order)"
+        )
     config = getattr(run.model, "config", None)
     if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
         raise SettingError(
