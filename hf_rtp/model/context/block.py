@@ -77,7 +77,8 @@ def running(model: nn.Module, length: int, cp_size: int | None = None) -> Iterat
         _ACTIVE.clear()
     if run.graphs and not run.backward_ran and torch.is_grad_enabled():
         raise HfRtpError(
-            "a context-parallel block ran a training forward but not its backward: call loss.backward() "
+            "a context-parallel block ran a forward that records gradients (in train or eval mode alike) but not "
+            "its backward: call loss.backward() "
             "(accelerator.backward(loss)) inside the block, where the ring attention still knows the sequence; "
             "for a forward you do not backpropagate, use torch.no_grad()"
         )
