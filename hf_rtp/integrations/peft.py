@@ -30,8 +30,10 @@ rotated layer and then write the trainable rows' lookups (or logits) over its ou
 with no whole copy.
 
 Merging DoRA or trainable tokens into a rotated layer (`merge_and_unload`) is refused: PEFT merges with
-whole-matrix arithmetic on the rotated weight, which gave wrong weights without an error. Plain LoRA and
-`modules_to_save` merge correctly and are left alone.
+whole-matrix arithmetic on the rotated weight, which gave wrong weights without an error. So is merging any
+other tuner but LoHa and LoKr (IA3's, OFT's and BOFT's merges were wrong; the rest never compared). Plain LoRA,
+LoHa, LoKr and `modules_to_save` merge correctly and are left alone. LoRA initialisations that compute from the
+whole base weight and rewrite it (PiSSA, CorDA, OLoRA, MiCA, LoftQ, LoRA-GA) are refused on a rotated layer.
 
 The stand-ins go in when a rotated model is loaded, if PEFT is imported by then; otherwise when PEFT is
 imported later, by a finder on `sys.meta_path` that runs PEFT's own import, then installs them and leaves
@@ -143,6 +145,8 @@ def make_peft_use_global_features() -> None:
     _stand_in_for_dora_forward()
     _stand_in_for_trainable_tokens()
     _refuse_merges_peft_gets_wrong()
+    _refuse_inits_that_read_the_base()
+    _refuse_merges_not_compared()
 
 
 def _stand_in_for_dora_norm() -> None:
@@ -346,3 +350,65 @@ def _refuse_merges_peft_gets_wrong() -> None:
     setattr(merge, _MARK, "peft.tuners.lora.layer.Linear.merge")
     setattr(merge_tokens, _MARK, "peft.tuners.trainable_tokens.layer.TrainableTokensLayer.merge")
     Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens  # stand-ins
+
+
+def _on_rotated_base(layer) -> bool:
+    base = layer.get_base_layer()
+    return isinstance(base, FrozenQuantizedLinear) or isinstance(getattr(base, "weight", None), RotatedTensor)
+
+
+# LoRA initialisations that read the whole base weight (an SVD, a QR, a quantization, gradients) and rewrite it
+_BASE_READING_INITS = ("pissa_init", "corda_init", "olora_init", "mica_init", "loftq_init", "lora_ga_init")
+_INIT_REFUSED = (
+    "LoraConfig(init_lora_weights={what!r}) on a rotated layer is not supported: PEFT computes it from the whole "
+    "base weight and rewrites that weight, and each rank holds only its rows (it crashed, or would be wrong). "
+    "Initialise the adapter with PEFT on a vanilla model, save the base weights it rewrote and the adapter, then "
+    "load that base with hf_rtp.from_pretrained and the adapter with PeftModel.from_pretrained"
+)
+
+
+def _refuse_inits_that_read_the_base() -> None:
+    from peft.tuners.lora.layer import LoraLayer
+
+    for name in _BASE_READING_INITS:
+        original = LoraLayer.__dict__.get(name)
+        if original is None or getattr(original, _MARK, None) is not None:
+            continue
+
+        def refusing(self, *args, _original=original, _name=name, **kwargs):
+            if _on_rotated_base(self):
+                what = args[1] if _name in ("pissa_init", "corda_init") and len(args) > 1 else _name[: -len("_init")]
+                raise RotatedStateError(_INIT_REFUSED.format(what=what))
+            return _original(self, *args, **kwargs)
+
+        functools.update_wrapper(refusing, original)
+        setattr(refusing, _MARK, f"peft.tuners.lora.layer.LoraLayer.{name}")
+        setattr(LoraLayer, name, refusing)  # a refusal on rotated layers; PEFT's own everywhere else
+
+
+# tuner layers whose merge into a rotated layer was compared with vanilla PEFT's and is left to PEFT (LoRA's variants
+# and trainable tokens are refused above); every other tuner's merge is refused on a rotated layer: IA3's, OFT's and
+# BOFT's gave wrong weights without an error
+_MERGES_COMPARED = ("peft.tuners.lora.", "peft.tuners.loha.", "peft.tuners.lokr.", "peft.tuners.trainable_tokens.")
+
+
+def _refuse_merges_not_compared() -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    seen, stack = set(), [BaseTunerLayer]
+    while stack:
+        cls = stack.pop()
+        stack.extend(c for c in cls.__subclasses__() if c not in seen)
+        seen.add(cls)
+        original = cls.__dict__.get("merge")
+        if original is None or getattr(original, _MARK, None) is not None:
+            continue
+
+        def merge(self, *args, _original=original, **kwargs):  # by the layer's own class: LoHa's merge is Lycoris'
+            if _on_rotated_base(self) and not type(self).__module__.startswith(_MERGES_COMPARED):
+                raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(self).__name__} ({type(self).__module__})"))
+            return _original(self, *args, **kwargs)
+
+        functools.update_wrapper(merge, original)
+        setattr(merge, _MARK, f"{cls.__module__}.{cls.__qualname__}.merge")
+        setattr(cls, "merge", merge)  # noqa: B010

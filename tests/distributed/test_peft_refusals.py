@@ -1,0 +1,50 @@
+"""PEFT paths that compute from a rotated layer's whole weight: refused by name on every rank, where they crashed
+(LoRA initialisations that read and rewrite the base weight: PiSSA, OLoRA, ...) or gave wrong weights without an
+error (IA3's, OFT's and BOFT's merges). LoHa's merge, which is left to PEFT, equals vanilla PEFT's."""
+
+import pytest
+import torch
+from support.models import make_tiny
+from support.spawn import run_on_ranks
+
+
+def _refusals(ckpt):
+    from peft import BOFTConfig, IA3Config, LoHaConfig, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    said = {}
+    for init in ("pissa", "olora"):
+        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+        with pytest.raises(hf_rtp.RotatedStateError) as refused:
+            get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+        said[init] = str(refused.value)
+    ia3 = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False)
+    boft = BOFTConfig(target_modules=["q_proj"], boft_block_size=4, init_weights=False)
+    for name, config in (("ia3", ia3), ("boft", boft)):
+        model = get_peft_model(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), config)
+        with pytest.raises(hf_rtp.RotatedStateError) as refused:
+            model.merge_and_unload()
+        said[name] = str(refused.value)
+    # LoHa: merged by PEFT itself, on the rows each rank holds, as vanilla merges the whole weight
+    loha = LoHaConfig(r=4, target_modules=["q_proj", "down_proj"], init_weights=False)
+    torch.manual_seed(0)
+    ours = get_peft_model(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), loha).merge_and_unload()
+    torch.manual_seed(0)
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64), loha).merge_and_unload()
+    merged = dict(theirs.named_parameters())
+    gap = max(
+        float((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(merged[n].detach()).abs().max())
+        for n, p in ours.named_parameters()
+    )
+    return said, gap
+
+
+def test_peft_paths_that_need_the_whole_weight_are_refused_and_loha_merges_as_vanilla(tmp_path):
+    for said, gap in run_on_ranks(_refusals, 2, make_tiny("llama", tmp_path / "ckpt")):
+        assert "init_lora_weights='pissa') on a rotated layer is not supported" in said["pissa"], said
+        assert "init_lora_weights='olora')" in said["olora"], said
+        assert "merging IA3" in said["ia3"] or "merging Linear (peft.tuners.ia3" in said["ia3"], said
+        assert "peft.tuners.boft" in said["boft"], said
+        assert gap < 1e-12, gap
