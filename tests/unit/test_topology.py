@@ -76,7 +76,7 @@ def _check_single(topology) -> None:
     assert (topology.dp_rank, topology.dp_size) == (0, 1) and topology.is_writer
     assert topology.mesh is None and topology.group is None and topology.entry is None  # nothing communicates
     assert topology.device == torch.device("cpu")
-    assert topology.enter("forward", [5]) == [[5, 0, 0, 0, 0]]
+    assert topology.enter("forward", [5]) == [[5, 0, 0, 0, 0, 0]]
     topology.same_settings("generate", {"max_new_tokens": "4"})
 
 
