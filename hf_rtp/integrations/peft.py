@@ -361,35 +361,66 @@ def _on_rotated_base(layer) -> bool:
 _BASE_READING_INITS = ("pissa_init", "corda_init", "olora_init", "mica_init", "loftq_init", "lora_ga_init")
 _INIT_REFUSED = (
     "LoraConfig(init_lora_weights={what!r}) on a rotated layer is not supported: PEFT computes it from the whole "
-    "base weight and rewrites that weight, and each rank holds only its rows (it crashed, or would be wrong). "
-    "Initialise the adapter with PEFT on a vanilla model, save the base weights it rewrote and the adapter, then "
-    "load that base with hf_rtp.from_pretrained and the adapter with PeftModel.from_pretrained"
+    "base weight (and most such inits rewrite that weight), and each rank holds only its rows (it crashed, or "
+    "would be wrong). Initialise the adapter with PEFT on a vanilla model and save it (with the base weights it "
+    "rewrote, if any), then load that base with hf_rtp.from_pretrained and the adapter with "
+    "PeftModel.from_pretrained(model, dir, low_cpu_mem_usage=True)"
 )
+
+
+def _computes_from_the_base(layer, name: str, args: tuple) -> bool:
+    """Whether PEFT's init `name` would compute from the base weight now: not where it leaves the adapter to a
+    checkpoint (MiCA's on the meta device, low_cpu_mem_usage; LoRA-GA's without the gradients it was prepared
+    with), the way an adapter is loaded."""
+    if name == "mica_init" and args:  # an embedding's B is a parameter of its own, a linear's a module's weight
+        embedded = getattr(layer, "lora_embedding_B", {})
+        held = embedded[args[0]] if args[0] in embedded else layer.lora_B[args[0]].weight
+        return held.device.type != "meta"
+    if name == "lora_ga_init":
+        return hasattr(layer.get_base_layer(), "_peft_loraga_grad")
+    return True
 
 
 def _refuse_inits_that_read_the_base() -> None:
     from peft.tuners.lora.layer import LoraLayer
 
-    for name in _BASE_READING_INITS:
-        original = LoraLayer.__dict__.get(name)
-        if original is None or getattr(original, _MARK, None) is not None:
-            continue
+    seen, stack = set(), [LoraLayer]  # with every subclass's own (LoRA's Embedding has a mica_init of its own)
+    while stack:
+        cls = stack.pop()
+        stack.extend(c for c in cls.__subclasses__() if c not in seen)
+        seen.add(cls)
+        for name in _BASE_READING_INITS:
+            original = cls.__dict__.get(name)
+            if original is None or getattr(original, _MARK, None) is not None:
+                continue
 
-        def refusing(self, *args, _original=original, _name=name, **kwargs):
-            if _on_rotated_base(self):
-                what = args[1] if _name in ("pissa_init", "corda_init") and len(args) > 1 else _name[: -len("_init")]
-                raise RotatedStateError(_INIT_REFUSED.format(what=what))
-            return _original(self, *args, **kwargs)
+            def refusing(self, *args, _original=original, _name=name, **kwargs):
+                if _on_rotated_base(self) and _computes_from_the_base(self, _name, args):
+                    what = args[1] if _name in ("pissa_init", "corda_init") and len(args) > 1 else _name[:-5]
+                    raise RotatedStateError(_INIT_REFUSED.format(what=what))
+                return _original(self, *args, **kwargs)
 
-        functools.update_wrapper(refusing, original)
-        setattr(refusing, _MARK, f"peft.tuners.lora.layer.LoraLayer.{name}")
-        setattr(LoraLayer, name, refusing)  # a refusal on rotated layers; PEFT's own everywhere else
+            functools.update_wrapper(refusing, original)
+            setattr(refusing, _MARK, f"{cls.__module__}.{cls.__qualname__}.{name}")
+            setattr(cls, name, refusing)  # a refusal on rotated layers; PEFT's own everywhere else
 
 
 # tuner layers whose merge into a rotated layer was compared with vanilla PEFT's and is left to PEFT (LoRA's variants
 # and trainable tokens are refused above); every other tuner's merge is refused on a rotated layer: IA3's, OFT's and
 # BOFT's gave wrong weights without an error
 _MERGES_COMPARED = ("peft.tuners.lora.", "peft.tuners.loha.", "peft.tuners.lokr.", "peft.tuners.trainable_tokens.")
+
+
+def _refuse_merge(layer, adapter_names) -> None:
+    """A merge into a rotated layer that was not compared with vanilla PEFT's, or that gave wrong weights: refused."""
+    variants = getattr(layer, "lora_variant", None) or {}
+    chosen = [a for a in (adapter_names or layer.active_adapters) if a in variants]
+    if chosen:  # DoRA and the other variants, on any LoRA layer (Linear's own refusal is above)
+        raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(variants[chosen[0]]).__name__} adapters"))
+    if isinstance(layer.get_base_layer(), FrozenQuantizedLinear):
+        raise RotatedStateError(_MERGE_REFUSED.format(what="adapters on a 4-bit or 8-bit base (quantization_config)"))
+    if not type(layer).__module__.startswith(_MERGES_COMPARED):
+        raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(layer).__name__} ({type(layer).__module__})"))
 
 
 def _refuse_merges_not_compared() -> None:
@@ -405,8 +436,8 @@ def _refuse_merges_not_compared() -> None:
             continue
 
         def merge(self, *args, _original=original, **kwargs):  # by the layer's own class: LoHa's merge is Lycoris'
-            if _on_rotated_base(self) and not type(self).__module__.startswith(_MERGES_COMPARED):
-                raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(self).__name__} ({type(self).__module__})"))
+            if _on_rotated_base(self):
+                _refuse_merge(self, kwargs.get("adapter_names", args[1] if len(args) > 1 else None))
             return _original(self, *args, **kwargs)
 
         functools.update_wrapper(merge, original)

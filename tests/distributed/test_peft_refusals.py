@@ -1,6 +1,7 @@
 """PEFT paths that compute from a rotated layer's whole weight: refused by name on every rank, where they crashed
-(LoRA initialisations that read and rewrite the base weight: PiSSA, OLoRA, ...) or gave wrong weights without an
-error (IA3's, OFT's and BOFT's merges). LoHa's merge, which is left to PEFT, equals vanilla PEFT's."""
+(LoRA initialisations that read the base weight: PiSSA, OLoRA, MiCA on an embedding, ...) or gave wrong weights
+without an error (IA3's, OFT's and BOFT's merges, DoRA's on an embedding). LoHa's merge, which is left to PEFT,
+equals vanilla PEFT's."""
 
 import pytest
 import torch
@@ -15,11 +16,19 @@ def _refusals(ckpt):
     import hf_rtp
 
     said = {}
-    for init in ("pissa", "olora"):
+    # on a linear and on the embedding, whose LoRA layer has a mica_init of its own
+    for init, target in (("pissa", "q_proj"), ("olora", "q_proj"), ("mica", "embed_tokens")):
         model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
         with pytest.raises(hf_rtp.RotatedStateError) as refused:
-            get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+            get_peft_model(model, LoraConfig(r=4, target_modules=[target], init_lora_weights=init))
         said[init] = str(refused.value)
+    dora = get_peft_model(
+        hf_rtp.from_pretrained(ckpt, dtype=torch.float64),
+        LoraConfig(r=4, target_modules=["embed_tokens"], use_dora=True, init_lora_weights=False),
+    )
+    with pytest.raises(hf_rtp.RotatedStateError) as refused:  # DoRA on the embedding merged wrong weights
+        dora.merge_and_unload()
+    said["dora embedding"] = str(refused.value)
     ia3 = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False)
     boft = BOFTConfig(target_modules=["q_proj"], boft_block_size=4, init_weights=False)
     for name, config in (("ia3", ia3), ("boft", boft)):
@@ -45,6 +54,8 @@ def test_peft_paths_that_need_the_whole_weight_are_refused_and_loha_merges_as_va
     for said, gap in run_on_ranks(_refusals, 2, make_tiny("llama", tmp_path / "ckpt")):
         assert "init_lora_weights='pissa') on a rotated layer is not supported" in said["pissa"], said
         assert "init_lora_weights='olora')" in said["olora"], said
+        assert "init_lora_weights='mica')" in said["mica"], said
+        assert "merging DoraEmbeddingVariant adapters" in said["dora embedding"], said
         assert "merging IA3" in said["ia3"] or "merging Linear (peft.tuners.ia3" in said["ia3"], said
         assert "peft.tuners.boft" in said["boft"], said
         assert gap < 1e-12, gap
