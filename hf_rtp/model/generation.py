@@ -53,7 +53,10 @@ def settings_of(model, args: tuple, kwargs: dict, synced_gpus: bool) -> dict[str
     assistant = kwargs.get("assistant_model")
     settings["assistant_model"] = "none" if assistant is None else "rotated" if is_rotated(assistant) else "its own"
     if config.prefill_chunk_size:  # a forward per chunk of each rank's own prompt: ranks must make as many
-        prompt = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        prompt = next(
+            (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None),
+            args[0] if args else None,
+        )
         if isinstance(prompt, torch.Tensor):
             length = prompt.shape[1] if prompt.dim() > 1 else prompt.shape[0]
             settings["prompt's prefill chunks (prefill_chunk_size: give every rank prompts as long)"] = str(

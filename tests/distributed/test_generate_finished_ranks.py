@@ -53,6 +53,11 @@ def _uneven_budgets(ckpt):
             refused[name] = None
         except CollectiveMisuseError as err:
             refused[name] = str(err)
+    try:  # the prompt by generate's own keyword
+        model.generate(inputs=prompts, do_sample=False, prefill_chunk_size=5, **common)
+        refused["prefill chunks, inputs="] = None
+    except CollectiveMisuseError as err:
+        refused["prefill chunks, inputs="] = str(err)
     return states, refused
 
 
@@ -63,8 +68,9 @@ def test_a_rank_whose_budget_ends_first_walks_on_without_stepping_its_own_decode
         assert "synced_gpus" in (refused["synced_gpus=False"] or ""), refused
         assert "assistant loaded by hf_rtp" in (refused["rotated"] or ""), refused
         assert "generate(assistant_early_exit=...), where the model drafts for itself" in refused["drafting itself"]
-        chunks = refused["prefill chunks"] or ""
-        assert "prefill chunks (prefill_chunk_size" in chunks and "rank 1: 2" in chunks, chunks
+        for key in ("prefill chunks", "prefill chunks, inputs="):
+            chunks = refused[key] or ""
+            assert "prefill chunks (prefill_chunk_size" in chunks and "rank 1: 2" in chunks, (key, chunks)
 
 
 def _ring_of_one(ckpt):
