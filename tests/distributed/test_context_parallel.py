@@ -196,6 +196,7 @@ def _refusals(llama, qwen_window, mixtral_aux):
     refused(cached, "keeps no cache")
     # the last positions a rank keeps are its own chunks', not the sequence's: logits of other tokens, same shape
     refused({**_batch(11), "logits_to_keep": 1}, "logits_to_keep=1: a rank holds two chunks")
+    refused({**_batch(11), "logits_to_keep": True}, "logits_to_keep=True")  # transformers reads True as 1
     refused(_batch(11, seed=3 + rank), "different tokens")  # a plain loop that gave ranks their own data
     refused(_batch(11 + rank), "different sequences")
 
@@ -259,7 +260,7 @@ def test_what_it_does_not_compute_is_refused_on_every_rank_by_name(tmp_path):
     window = make_tiny("qwen2", tmp_path / "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     mixtral = make_tiny("mixtral", tmp_path / "mixtral")
     results = run_on_ranks(_refusals, 2, llama, window, mixtral)
-    assert [r[0] for r in results] == [10, 10]
+    assert [r[0] for r in results] == [11, 11]
     assert results[0][1] == results[1][1]
 
 

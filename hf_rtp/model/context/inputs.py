@@ -9,6 +9,7 @@ rank checks its own inputs and the ranks agree: all go on, or all raise naming w
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Sequence
 
@@ -184,8 +185,8 @@ def _check_inputs(run: ContextRun, kwargs: dict, padding: torch.Tensor, batch: i
         raise SettingError(
             "context parallelism keeps no cache (past_key_values, use_cache=True): it trains whole sequences"
         )
-    keep = kwargs.get("logits_to_keep")
-    if torch.is_tensor(keep) or (isinstance(keep, int) and not isinstance(keep, bool) and keep != 0):
+    keep = kwargs.get("logits_to_keep")  # 0 (or False) keeps every position; transformers reads True as 1
+    if torch.is_tensor(keep) or (keep is not None and not (isinstance(keep, numbers.Integral) and int(keep) == 0)):
         raise SettingError(
             f"context parallelism with logits_to_keep={keep!r}: a rank holds two chunks of the sequence (chunk r and "
             "2N-1-r), so the last positions the model keeps are its own chunks', not the sequence's, on every rank "
