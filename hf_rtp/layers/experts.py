@@ -18,6 +18,7 @@ from torch import nn
 
 from ..distributed.ring import Ring
 from ..distributed.sharding import ChunkLayout
+from ..errors import RotatedStateError
 from ..private.transformers_names import experts_gate
 from .common import add_matmul, autocast_dtype, finish_weight_grads, local, rotate_forward
 
@@ -194,6 +195,12 @@ class RotatedExperts(nn.Module):
 
     def _weights(self) -> list[torch.Tensor]:
         params = self._parameters
+        if "gate_up_proj" not in params or "down_proj" not in params:  # a parametrization moved it (on every rank)
+            raise RotatedStateError(
+                "a rotated experts layer's gate_up_proj or down_proj was replaced by a parametrization (PEFT's LoRA "
+                "target_parameters, torch.nn.utils.parametrize): adapters on rotated expert weights are not "
+                "supported. Leave the experts out of target_parameters (LoRA through target_modules works)"
+            )
         biases = ["gate_up_proj_bias", "down_proj_bias"] if params.get("gate_up_proj_bias") is not None else []
         return [t for t in (params[n] for n in ["gate_up_proj", "down_proj", *biases]) if t is not None]
 

@@ -9,7 +9,7 @@ from support.models import make_tiny
 from support.spawn import run_on_ranks
 
 
-def _refusals(ckpt):
+def _refusals(ckpt, mixtral):
     from peft import BOFTConfig, IA3Config, LoHaConfig, LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -29,6 +29,15 @@ def _refusals(ckpt):
     with pytest.raises(hf_rtp.RotatedStateError) as refused:  # DoRA on the embedding merged wrong weights
         dora.merge_and_unload()
     said["dora embedding"] = str(refused.value)
+    # LoRA on the rotated experts' parameters: PEFT parametrizes them away from where the layer reads them
+    experts = get_peft_model(
+        hf_rtp.from_pretrained(mixtral, dtype=torch.float32, experts_implementation="eager"),
+        LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj"]),
+    )
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(hf_rtp.RotatedStateError) as refused:
+        experts(input_ids=ids, labels=ids)
+    said["experts"] = str(refused.value)
     ia3 = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False)
     boft = BOFTConfig(target_modules=["q_proj"], boft_block_size=4, init_weights=False)
     for name, config in (("ia3", ia3), ("boft", boft)):
@@ -51,11 +60,13 @@ def _refusals(ckpt):
 
 
 def test_peft_paths_that_need_the_whole_weight_are_refused_and_loha_merges_as_vanilla(tmp_path):
-    for said, gap in run_on_ranks(_refusals, 2, make_tiny("llama", tmp_path / "ckpt")):
+    mixtral = make_tiny("mixtral", tmp_path / "mixtral")
+    for said, gap in run_on_ranks(_refusals, 2, make_tiny("llama", tmp_path / "ckpt"), mixtral):
         assert "init_lora_weights='pissa') on a rotated layer is not supported" in said["pissa"], said
         assert "init_lora_weights='olora')" in said["olora"], said
         assert "init_lora_weights='mica')" in said["mica"], said
         assert "merging DoraEmbeddingVariant adapters" in said["dora embedding"], said
+        assert "adapters on rotated expert weights are not supported" in said["experts"], said
         assert "merging IA3" in said["ia3"] or "merging Linear (peft.tuners.ia3" in said["ia3"], said
         assert "peft.tuners.boft" in said["boft"], said
         assert gap < 1e-12, gap
