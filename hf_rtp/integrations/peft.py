@@ -144,7 +144,6 @@ def make_peft_use_global_features() -> None:
     _stand_in_for_dora_dequantize()
     _stand_in_for_dora_forward()
     _stand_in_for_trainable_tokens()
-    _refuse_merges_peft_gets_wrong()
     _refuse_inits_that_read_the_base()
     _refuse_merges_not_compared()
 
@@ -320,36 +319,15 @@ _MERGE_REFUSED = (
 )
 
 
-def _refuse_merges_peft_gets_wrong() -> None:
-    from peft.tuners.lora.layer import Linear
-    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
-
-    lora_merge, tokens_merge = Linear.merge, TrainableTokensLayer.merge
-    if getattr(lora_merge, _MARK, None) is not None:
-        return
-
-    @functools.wraps(lora_merge)
-    def merge(self, safe_merge=False, adapter_names=None):
-        if isinstance(self.get_base_layer(), FrozenQuantizedLinear):
-            raise RotatedStateError(
-                _MERGE_REFUSED.format(what="adapters on a 4-bit or 8-bit base (quantization_config)")
-            )
-        variants = [a for a in (adapter_names or self.active_adapters) if a in self.lora_variant]
-        if variants and isinstance(self.get_base_layer().weight, RotatedTensor):
-            raise RotatedStateError(
-                _MERGE_REFUSED.format(what=f"{type(self.lora_variant[variants[0]]).__name__} adapters")
-            )
-        return lora_merge(self, safe_merge, adapter_names)
-
-    @functools.wraps(tokens_merge)
-    def merge_tokens(self, safe_merge=False, adapter_names=None):
-        if isinstance(self.base_layer.weight, RotatedTensor):
-            raise RotatedStateError(_MERGE_REFUSED.format(what="trainable tokens"))
-        return tokens_merge(self, safe_merge, adapter_names)
-
-    setattr(merge, _MARK, "peft.tuners.lora.layer.Linear.merge")
-    setattr(merge_tokens, _MARK, "peft.tuners.trainable_tokens.layer.TrainableTokensLayer.merge")
-    Linear.merge, TrainableTokensLayer.merge = merge, merge_tokens  # stand-ins
+def _subclasses(root: type) -> list[type]:
+    """`root` and every class below it, as imported now."""
+    found, stack = [], [root]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.append(cls)
+            stack.extend(cls.__subclasses__())
+    return found
 
 
 def _on_rotated_base(layer) -> bool:
@@ -384,11 +362,7 @@ def _computes_from_the_base(layer, name: str, args: tuple) -> bool:
 def _refuse_inits_that_read_the_base() -> None:
     from peft.tuners.lora.layer import LoraLayer
 
-    seen, stack = set(), [LoraLayer]  # with every subclass's own (LoRA's Embedding has a mica_init of its own)
-    while stack:
-        cls = stack.pop()
-        stack.extend(c for c in cls.__subclasses__() if c not in seen)
-        seen.add(cls)
+    for cls in _subclasses(LoraLayer):  # with every subclass's own (LoRA's Embedding has a mica_init of its own)
         for name in _BASE_READING_INITS:
             original = cls.__dict__.get(name)
             if original is None or getattr(original, _MARK, None) is not None:
@@ -405,17 +379,17 @@ def _refuse_inits_that_read_the_base() -> None:
             setattr(cls, name, refusing)  # a refusal on rotated layers; PEFT's own everywhere else
 
 
-# tuner layers whose merge into a rotated layer was compared with vanilla PEFT's and is left to PEFT (LoRA's variants
-# and trainable tokens are refused above); every other tuner's merge is refused on a rotated layer: IA3's, OFT's and
-# BOFT's gave wrong weights without an error
-_MERGES_COMPARED = ("peft.tuners.lora.", "peft.tuners.loha.", "peft.tuners.lokr.", "peft.tuners.trainable_tokens.")
+# tuner layers whose merge into a rotated layer was compared with vanilla PEFT's and is left to PEFT (not LoRA's
+# variants, `_refuse_merge`); every other tuner's merge is refused on a rotated layer: DoRA's, trainable tokens', IA3's,
+# OFT's and BOFT's gave wrong weights without an error
+_MERGES_COMPARED = ("peft.tuners.lora.", "peft.tuners.loha.", "peft.tuners.lokr.")
 
 
 def _refuse_merge(layer, adapter_names) -> None:
     """A merge into a rotated layer that was not compared with vanilla PEFT's, or that gave wrong weights: refused."""
     variants = getattr(layer, "lora_variant", None) or {}
     chosen = [a for a in (adapter_names or layer.active_adapters) if a in variants]
-    if chosen:  # DoRA and the other variants, on any LoRA layer (Linear's own refusal is above)
+    if chosen:  # DoRA and the other variants, on any LoRA layer
         raise RotatedStateError(_MERGE_REFUSED.format(what=f"{type(variants[chosen[0]]).__name__} adapters"))
     if isinstance(layer.get_base_layer(), FrozenQuantizedLinear):
         raise RotatedStateError(_MERGE_REFUSED.format(what="adapters on a 4-bit or 8-bit base (quantization_config)"))
@@ -426,11 +400,7 @@ def _refuse_merge(layer, adapter_names) -> None:
 def _refuse_merges_not_compared() -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    seen, stack = set(), [BaseTunerLayer]
-    while stack:
-        cls = stack.pop()
-        stack.extend(c for c in cls.__subclasses__() if c not in seen)
-        seen.add(cls)
+    for cls in _subclasses(BaseTunerLayer):
         original = cls.__dict__.get("merge")
         if original is None or getattr(original, _MARK, None) is not None:
             continue
