@@ -31,6 +31,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import time
@@ -132,6 +133,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _collect(results, procs: list, timeout: float) -> list:
+    """Every rank's figures; a rank that exits without them ends the wait at once, naming it (not `timeout`
+    seconds later: on a lent GPU those are device minutes)."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            raise SystemExit(f"hop_latency_cuda.py: {', '.join(dead)} ended without its figures (its traceback above)")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"hop_latency_cuda.py: no figures from every rank after {timeout:.0f} s (--timeout)")
+    return got
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda:0", help="every rank's device (default cuda:0: one shared GPU)")
@@ -162,7 +182,7 @@ def main() -> None:
     for p in procs:
         p.start()
     try:
-        got = [results.get(timeout=args.timeout) for _ in procs]
+        got = _collect(results, procs, args.timeout)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -1,0 +1,62 @@
+"""benchmarks/hop_latency_cuda.py runs on a lent GPU, whose minutes are counted: a rank that dies must end the
+probe at once, naming it, not after the probe's whole timeout (its first run on an H100 waited out 180 s for two
+ranks that had died importing hf_rtp)."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+PROBE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "hop_latency_cuda.py")
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("hop_latency_cuda", PROBE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _figures(results, rank: int) -> None:
+    results.put((rank, {}, "batched"))
+
+
+def _dies() -> None:
+    os._exit(3)
+
+
+def test_a_rank_that_exits_without_its_figures_ends_the_wait_at_once_by_name():
+    probe = _probe()
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_figures, args=(results, 0)), ctx.Process(target=_dies)]
+    for p in procs:
+        p.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(SystemExit, match=r"rank 1 \(exit code 3\) ended without its figures"):
+            probe._collect(results, procs, timeout=120.0)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+    assert time.monotonic() - began < 30  # seconds after the exit, not the 120 s timeout
+
+
+def test_every_ranks_figures_are_collected():
+    probe = _probe()
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_figures, args=(results, r)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = probe._collect(results, procs, timeout=60.0)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+    assert sorted(rank for rank, _, _ in got) == [0, 1]
