@@ -32,6 +32,7 @@ _CALLS = {
         "full_tensor",
         "redistribute",
         "context_parallel",
+        "initialize_lora_eva_weights",
     )
 }
 

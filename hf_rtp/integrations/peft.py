@@ -34,6 +34,8 @@ whole-matrix arithmetic on the rotated weight, which gave wrong weights without 
 other tuner but LoHa and LoKr (IA3's, OFT's and BOFT's merges were wrong; the rest never compared). Plain LoRA,
 LoHa, LoKr and `modules_to_save` merge correctly and are left alone. LoRA initialisations that compute from the
 whole base weight and rewrite it (PiSSA, CorDA, OLoRA, MiCA, LoftQ, LoRA-GA) are refused on a rotated layer.
+EVA's initialisation without its gather across ranks checks that every rank has the same batches
+(`_stand_in_for_eva`).
 
 The stand-ins go in when a rotated model is loaded, if PEFT is imported by then; otherwise when PEFT is
 imported later, by a finder on `sys.meta_path` that runs PEFT's own import, then installs them and leaves
@@ -50,8 +52,10 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import threading
+import zlib
 from typing import cast
 
 import torch
@@ -146,6 +150,7 @@ def make_peft_use_global_features() -> None:
     _stand_in_for_trainable_tokens()
     _refuse_inits_that_read_the_base()
     _refuse_merges_not_compared()
+    _stand_in_for_eva()
 
 
 def _stand_in_for_dora_norm() -> None:
@@ -413,3 +418,78 @@ def _refuse_merges_not_compared() -> None:
         functools.update_wrapper(merge, original)
         setattr(merge, _MARK, f"{cls.__module__}.{cls.__qualname__}.merge")
         setattr(cls, "merge", merge)  # noqa: B010
+
+
+_EVA_REFUSED = (
+    "initialize_lora_eva_weights(..., gather_distributed_inputs=False) (or get_eva_state_dict) with different batches "
+    "on different ranks is not supported on a rotated model: each rank would run EVA's loop until its own SVD "
+    "converges, after its own number of forwards, and a rotated forward is collective. Keep "
+    "gather_distributed_inputs=True (the default: every rank's batches gathered, as vanilla PEFT does under "
+    "torch.distributed), give every rank the same batches, or compute get_eva_state_dict on a vanilla model and "
+    "pass eva_state_dict=..."
+)
+
+
+def _batch_digest(inputs) -> int:
+    """A checksum of a batch's tensors (their dtypes, shapes and bytes) and other values, equal on ranks given the
+    same batch."""
+    crc = 0
+
+    def walk(value) -> None:
+        nonlocal crc
+        if isinstance(value, torch.Tensor):
+            crc = zlib.crc32(f"{value.dtype}{tuple(value.shape)}".encode(), crc)
+            crc = zlib.crc32(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                crc = zlib.crc32(str(key).encode(), crc)
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        else:
+            crc = zlib.crc32(repr(value).encode(), crc)
+
+    walk(inputs)
+    return crc
+
+
+def _stand_in_for_eva() -> None:
+    """EVA's loop (`peft.tuners.lora.eva._get_eva_state_dict`, behind `get_eva_state_dict` and
+    `initialize_lora_eva_weights`) runs forwards until every layer's SVD of its inputs converges. By default PEFT
+    gathers every rank's layer inputs, so every rank converges after the same forwards, and hf_rtp gives vanilla's
+    adapters. With `gather_distributed_inputs=False` each rank converges on its own batches, after its own number of
+    forwards: on a rotated model, whose forwards are collective, ranks given different batches fell out of step and
+    failed after the entry timeout, naming no cause. There every EVA forward first meets the other ranks with a
+    checksum of its batch: the same batches go on (vanilla's adapters), different ones are refused on every rank at
+    the first forward."""
+    try:
+        from peft.tuners.lora import eva
+    except ImportError:
+        return
+    original = getattr(eva, "_get_eva_state_dict", None)
+    if original is None or getattr(original, _MARK, None) is not None:
+        return
+    signature = inspect.signature(original)
+
+    def get_eva_state_dict(*args, **kwargs):
+        from ..model.state import state_of
+
+        bound = signature.bind(*args, **kwargs)
+        state = state_of(bound.arguments["model"], required=False)
+        if state is None or state.topology.world_size == 1 or bound.arguments["gather_distributed_inputs"]:
+            return original(*args, **kwargs)
+        topology, forward = state.topology, bound.arguments["forward_fn"]
+
+        def forward_on_the_same_batch(model, inputs):
+            everyone = topology.enter("initialize_lora_eva_weights", payload=[_batch_digest(inputs)])
+            if len({row[0] for row in everyone}) > 1:  # the same rows on every rank: every rank raises
+                raise RotatedStateError(_EVA_REFUSED)
+            return forward(model, inputs)
+
+        bound.arguments["forward_fn"] = forward_on_the_same_batch
+        return original(*bound.args, **bound.kwargs)
+
+    functools.update_wrapper(get_eva_state_dict, original)
+    setattr(get_eva_state_dict, _MARK, "peft.tuners.lora.eva._get_eva_state_dict")
+    eva._get_eva_state_dict = get_eva_state_dict  # called by its module's global name
