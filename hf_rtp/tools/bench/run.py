@@ -105,10 +105,14 @@ def table(rows: list[dict]) -> str:
         f"{'tokens/s':>9} {'load s':>7} {'load peak GB':>12}"
     )
     lines = [head, "-" * len(head)]
+
+    def given(value, width: int, digits: int) -> str:  # "-" where a figure was not measured (efficiency: no single)
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
     for r in rows:
         lines.append(
-            f"{r['strategy']:<8} {r['world_size']:>2} {r['peak_gb']:>12.3f} {r.get('estimate_gb', float('nan')):>8.3f} "
-            f"{r.get('efficiency', float('nan')):>10.2f} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} "
+            f"{r['strategy']:<8} {r['world_size']:>2} {r['peak_gb']:>12.3f} {given(r.get('estimate_gb'), 8, 3)} "
+            f"{given(r.get('efficiency'), 10, 2)} {r['step_s']:>7.2f} {r['tokens_per_s']:>9.0f} "
             f"{r['load_s']:>7.1f} "
             f"{r['load_peak_gb']:>12.3f}"
         )
