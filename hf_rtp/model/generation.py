@@ -59,10 +59,22 @@ def settings_of(model, args: tuple, kwargs: dict, synced_gpus: bool) -> dict[str
         )
         if isinstance(prompt, torch.Tensor):
             length = prompt.shape[1] if prompt.dim() > 1 else prompt.shape[0]
+            length -= _cached(kwargs.get("past_key_values"), kwargs.get("attention_mask"), length)
             settings["prompt's prefill chunks (prefill_chunk_size: give every rank prompts as long)"] = str(
                 -(-length // config.prefill_chunk_size)
             )
     return settings
+
+
+def _cached(cache, mask, length: int) -> int:
+    """How many of a prompt's `length` tokens a passed cache holds already, which a chunked prefill skips as
+    transformers' `_prefill` does: a prompt as long as its attention mask (or without one: generate makes it so) is
+    the whole sequence, its first `cache.get_seq_length()` tokens cached; a shorter one is the new tokens alone."""
+    if cache is None or not hasattr(cache, "get_seq_length") or all(getattr(cache, "is_linear", [False])):
+        return 0
+    if mask is not None and mask.shape[-1] != length:
+        return 0
+    return min(int(cache.get_seq_length()), length)
 
 
 def generate(model, *args, synced_gpus: bool | None = None, **kwargs):

@@ -86,3 +86,43 @@ def test_one_rank_decodes_as_transformers_does(tmp_path):
     """With one process nothing walks: synced_gpus=False is transformers' own, and no check is swapped in."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     assert run_on_ranks(_ring_of_one, 1, ckpt) == [(False, (1, 5))]
+
+
+def _chunks_after_a_cache(ckpt):
+    """A chunked prefill from a passed cache chunks only the tokens it does not hold (transformers' `_prefill`)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64)
+    out = {}
+    # (prompt length, tokens cached) per rank; chunks of 5 over the uncached tokens: 1 and 1 (the whole prompts would
+    # be 2 and 1: refused before), then 1 and 2 (the whole prompts 2 and 2: ranks fell out of step before)
+    for name, shapes in (("same chunks", ((10, 6), (5, 1))), ("other chunks", ((10, 6), (7, 1)))):
+        length, held = shapes[rank]
+        prompts = torch.randint(3, 101, (1, length), generator=torch.Generator().manual_seed(rank))
+        caches = []
+        for m in (model, vanilla):
+            cache = DynamicCache(config=m.config)
+            with torch.no_grad():
+                m(input_ids=prompts[:, :held], past_key_values=cache, use_cache=True)
+            caches.append(cache)
+        settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None, prefill_chunk_size=5)
+        try:
+            tokens = model.generate(prompts, past_key_values=caches[0], **settings)
+        except CollectiveMisuseError as err:
+            out[name] = str(err)
+            continue
+        expected = vanilla.generate(prompts, past_key_values=caches[1], **settings)
+        out[name] = torch.equal(tokens, expected)
+    return out
+
+
+def test_a_chunked_prefill_from_a_cache_counts_the_chunks_it_makes(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for out in run_on_ranks(_chunks_after_a_cache, 2, ckpt):
+        assert out["same chunks"] is True, out
+        said = out["other chunks"]
+        assert isinstance(said, str) and "rank 0: 1" in said and "rank 1: 2" in said, out
