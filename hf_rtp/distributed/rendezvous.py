@@ -33,6 +33,7 @@ _CALLS = {
         "redistribute",
         "context_parallel",
         "initialize_lora_eva_weights",
+        "generate's step",
     )
 }
 

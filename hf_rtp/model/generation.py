@@ -119,12 +119,20 @@ def _refuse_unsynced(synced_gpus: bool, settings: dict[str, str]) -> None:
 def _done_until_all_are(model, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
     """transformers' _has_unfinished_sequences, for a rank whose own sequences may be done: while other ranks are
     not, it makes their step's meeting and a forward of one token without a cache (its own decode left as it
-    finished), then ends this rank's loop when every rank is done."""
-    check = type(model)._has_unfinished_sequences
+    finished), then ends this rank's loop when every rank is done.
+
+    Whether every rank is done is asked at hf_rtp's meeting (where forwards meet too), not by transformers'
+    all-reduce on the default group: ranks that fell out of step (one in a forward, another asking) then fail at once
+    on every rank, each call named, where the all-reduce waited out the default group's timeout and failed unnamed."""
+    topology = state_of(model).topology
+
+    def unfinished(finished: bool) -> bool:
+        return any(row[0] for row in topology.enter("generate's step", payload=[0 if finished else 1]))
+
     if not this_peer_finished:
-        return check(model, this_peer_finished, synced_gpus, device)
+        return unfinished(False)
     ghost = torch.zeros((1, 1), dtype=torch.long, device=device)
-    while check(model, True, synced_gpus, device):
+    while unfinished(True):
         # dropout in a training-mode model would draw: the random state is left as the rank finished with it
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model(input_ids=ghost, use_cache=False)

@@ -126,3 +126,43 @@ def test_a_chunked_prefill_from_a_cache_counts_the_chunks_it_makes(tmp_path):
         assert out["same chunks"] is True, out
         said = out["other chunks"]
         assert isinstance(said, str) and "rank 0: 1" in said and "rank 1: 2" in said, out
+
+
+def _out_of_step(ckpt):
+    """One rank makes a forward of its own inside generate (from a stopping criterion) while the other asks
+    whether every rank is done."""
+    import time
+
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    import hf_rtp
+
+    rank = int(os.environ["RANK"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)
+
+    class Peeks(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if rank == 1:
+                model(input_ids=input_ids[:, -1:], use_cache=False)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    prompts = torch.tensor([[5, 6, 7]])
+    began = time.monotonic()
+    try:
+        model.generate(
+            prompts,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Peeks()]),
+        )
+    except CollectiveMisuseError as err:
+        return str(err), time.monotonic() - began
+    return None, time.monotonic() - began
+
+
+def test_ranks_out_of_step_inside_generate_fail_at_once_each_call_named(tmp_path):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for said, seconds in run_on_ranks(_out_of_step, 2, ckpt):
+        assert said is not None and "rank 0: generate's step" in said and "rank 1: forward" in said, said
+        assert seconds < 30  # not the 60 s entry timeout, nor the default group's
