@@ -56,8 +56,10 @@ import inspect
 import sys
 import threading
 import zlib
+from collections.abc import Mapping
 from typing import cast
 
+import numpy
 import torch
 import torch.nn.functional as F
 from packaging.version import Version
@@ -66,7 +68,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import log
 from ..distributed.rotated import RotatedTensor, rotated_rows, rows_of, whole
-from ..errors import RotatedStateError
+from ..errors import CollectiveMisuseError, RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from ..layers.linear4bit import FrozenQuantizedLinear
@@ -430,28 +432,56 @@ _EVA_REFUSED = (
 )
 
 
-def _batch_digest(inputs) -> int:
-    """A checksum of a batch's tensors (their dtypes, shapes and bytes) and other values, equal on ranks given the
-    same batch."""
+_EVA_APART = (
+    "initialize_lora_eva_weights(..., gather_distributed_inputs=False) on a rotated model: ranks given the same "
+    "batches {what}. Keep gather_distributed_inputs=True (the default), or compute get_eva_state_dict on a vanilla "
+    "model and pass eva_state_dict=..."
+)
+_UNCOMPARED = -1  # a batch digest for a batch holding a value _batch_digest cannot compare across ranks
+
+
+def _batch_digest(inputs) -> tuple[int, str]:
+    """A checksum of a batch, equal on ranks given the same batch wherever its tensors live: tensors' and numpy
+    arrays' dtypes, shapes and bytes, mappings (BatchEncoding too) by key, sequences in order, plain values by value.
+    Other values (an object's repr may hold its address, a large array's elides values) give _UNCOMPARED and the
+    type that was not compared. Copies each tensor to the host: EVA's batches are token ids, once per forward."""
     crc = 0
 
-    def walk(value) -> None:
+    def add(data: bytes) -> None:
         nonlocal crc
-        if isinstance(value, torch.Tensor):
-            crc = zlib.crc32(f"{value.dtype}{tuple(value.shape)}".encode(), crc)
-            crc = zlib.crc32(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                crc = zlib.crc32(str(key).encode(), crc)
-                walk(value[key])
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        else:
-            crc = zlib.crc32(repr(value).encode(), crc)
+        crc = zlib.crc32(data, crc)
 
-    walk(inputs)
-    return crc
+    def walk(value) -> str | None:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.device.type == "meta":
+                return f"a {value.layout} tensor on {value.device.type}"
+            value = value.detach().resolve_conj().resolve_neg().cpu().contiguous()
+            add(f"tensor {value.dtype} {tuple(value.shape)}".encode())
+            add(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, numpy.ndarray):
+            if value.dtype.hasobject:
+                return "a numpy array of objects"
+            add(f"array {value.dtype} {value.shape}".encode())
+            add(numpy.ascontiguousarray(value).tobytes())
+        elif isinstance(value, Mapping):
+            add(f"mapping {len(value)}".encode())
+            for key in sorted(value, key=repr):
+                add(repr(key).encode())
+                if (missed := walk(value[key])) is not None:
+                    return missed
+        elif isinstance(value, (list, tuple)):
+            add(f"sequence {len(value)}".encode())
+            for item in value:
+                if (missed := walk(item)) is not None:
+                    return missed
+        elif value is None or isinstance(value, (str, bytes, int, float, complex)):
+            add(repr(value).encode())
+        else:
+            return type(value).__name__
+        return None
+
+    missed = walk(inputs)
+    return (_UNCOMPARED, missed) if missed is not None else (crc, "")
 
 
 def _stand_in_for_eva() -> None:
@@ -460,9 +490,10 @@ def _stand_in_for_eva() -> None:
     gathers every rank's layer inputs, so every rank converges after the same forwards, and hf_rtp gives vanilla's
     adapters. With `gather_distributed_inputs=False` each rank converges on its own batches, after its own number of
     forwards: on a rotated model, whose forwards are collective, ranks given different batches fell out of step and
-    failed after the entry timeout, naming no cause. There every EVA forward first meets the other ranks with a
+    failed after the entry timeout, without naming EVA. There every EVA forward first meets the other ranks with a
     checksum of its batch: the same batches go on (vanilla's adapters), different ones are refused on every rank at
-    the first forward."""
+    the first forward whose batches differ; and the ranks meet once more when their loop ends, so ranks that
+    converged after different numbers of forwards fail together, naming it."""
     try:
         from peft.tuners.lora import eva
     except ImportError:
@@ -471,24 +502,43 @@ def _stand_in_for_eva() -> None:
     if original is None or getattr(original, _MARK, None) is not None:
         return
     signature = inspect.signature(original)
+    if not {"model", "forward_fn", "gather_distributed_inputs"} <= set(signature.parameters):
+        return  # another PEFT's loop: left as it is (a forward out of step still fails at hf_rtp's meeting)
+    forwarding, done = 0, 1  # what a rank brings to EVA's meeting
 
     def get_eva_state_dict(*args, **kwargs):
         from ..model.state import state_of
 
         bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
         state = state_of(bound.arguments["model"], required=False)
         if state is None or state.topology.world_size == 1 or bound.arguments["gather_distributed_inputs"]:
             return original(*args, **kwargs)
         topology, forward = state.topology, bound.arguments["forward_fn"]
 
+        def meet(kind: int, digest: int = 0) -> list[list[int]]:
+            everyone = topology.enter("initialize_lora_eva_weights", payload=[kind, digest])
+            if len({row[0] for row in everyone}) > 1:  # the same rows on every rank: every rank raises alike
+                ended = [r for r, row in enumerate(everyone) if row[0] == done]
+                raise CollectiveMisuseError(
+                    _EVA_APART.format(what=f"converged after different numbers of forwards (ranks {ended} first)")
+                )
+            return everyone
+
         def forward_on_the_same_batch(model, inputs):
-            everyone = topology.enter("initialize_lora_eva_weights", payload=[_batch_digest(inputs)])
-            if len({row[0] for row in everyone}) > 1:  # the same rows on every rank: every rank raises
+            digest, missed = _batch_digest(inputs)
+            digests = [row[1] for row in meet(forwarding, digest)]
+            if _UNCOMPARED in digests:
+                held = f"{missed} on this rank" if missed else f"on rank {digests.index(_UNCOMPARED)}"
+                raise RotatedStateError(f"{_EVA_REFUSED} (a batch holds a value hf_rtp cannot compare: {held})")
+            if len(set(digests)) > 1:
                 raise RotatedStateError(_EVA_REFUSED)
             return forward(model, inputs)
 
         bound.arguments["forward_fn"] = forward_on_the_same_batch
-        return original(*bound.args, **bound.kwargs)
+        found = original(*bound.args, **bound.kwargs)
+        meet(done)
+        return found
 
     functools.update_wrapper(get_eva_state_dict, original)
     setattr(get_eva_state_dict, _MARK, "peft.tuners.lora.eva._get_eva_state_dict")

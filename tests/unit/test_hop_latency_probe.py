@@ -30,6 +30,18 @@ def _dies() -> None:
     os._exit(3)
 
 
+def _figures_then_dies(results, rank: int) -> None:
+    results.put((rank, {}, "batched"))
+    results.close()
+    results.join_thread()  # the figures are in the queue before the exit code says failure
+    os._exit(3)
+
+
+def _late_figures(results, rank: int) -> None:
+    time.sleep(3)
+    results.put((rank, {}, "batched"))
+
+
 def test_a_rank_that_exits_without_its_figures_ends_the_wait_at_once_by_name():
     probe = _probe()
     ctx = mp.get_context("fork")
@@ -52,6 +64,26 @@ def test_every_ranks_figures_are_collected():
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     procs = [ctx.Process(target=_figures, args=(results, r)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = probe._collect(results, procs, timeout=60.0)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+    assert sorted(rank for rank, _, _ in got) == [0, 1]
+
+
+def test_a_rank_failing_after_its_figures_does_not_throw_the_run_away():
+    """A rank's teardown (destroy_process_group) may exit non-zero after it delivered: the other's figures still
+    count."""
+    probe = _probe()
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_figures_then_dies, args=(results, 0)),
+        ctx.Process(target=_late_figures, args=(results, 1)),
+    ]
     for p in procs:
         p.start()
     try:
