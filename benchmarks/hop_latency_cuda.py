@@ -10,6 +10,8 @@ messages one after the other, each waited for before the next is posted, as a wa
 
 - p2p: `dist.batch_isend_irecv` of one send to the next rank and one receive from the previous (what the ring
   posts on NCCL), bare;
+- p2p+header: the same with a second, 16-byte message each way in the same batch, as a watched hop's header
+  (so that the header's cost is told from the watch's: the ring cases remove both together);
 - ring: `Ring.exchange` as a rotated layer posts it on NCCL (the header, the watch; watched over gloo too);
 - ring-unwatched: `Ring.exchange` without the header and the watch;
 - all-gather: `all_gather_into_tensor` with each rank giving the bytes a hop sends (FSDP2's collective);
@@ -40,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-CASES = ("p2p", "ring", "ring-unwatched", "all-gather", "all-reduce")
+CASES = ("p2p", "p2p+header", "ring", "ring-unwatched", "all-gather", "all-reduce")
 # 64 KiB: latency alone; 3 MiB: the 90M Llama's mean hop (230 MB over 79 hops a step); 16 MiB: a whole piece
 SIZES = (64 << 10, 3 << 20, 16 << 20)
 
@@ -66,18 +68,26 @@ def _case(name: str, size: int, device: torch.device, rings: dict):
     if name == "all-reduce":
         return lambda: dist.all_reduce(send, async_op=True).wait()
     nxt, prv = (rank + 1) % world, (rank - 1) % world
+    pairs = [(send, recv)]
+    if name == "p2p+header":
+        pairs.append(
+            (torch.zeros(2, dtype=torch.int64, device=device), torch.empty(2, dtype=torch.int64, device=device))
+        )
     if device.type == "cuda":  # NCCL: posted together, as the ring does (its "batched" transport)
 
         def p2p() -> None:
-            ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+            ops = [dist.P2POp(dist.isend, s, nxt) for s, _ in pairs] + [
+                dist.P2POp(dist.irecv, r, prv) for _, r in pairs
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
         return p2p
 
     def pair() -> None:  # gloo: one by one (its batched path has been seen to hang: distributed/ring.py)
-        for work in (dist.isend(send, nxt), dist.irecv(recv, prv)):
-            work.wait()
+        for s, r in pairs:
+            for work in (dist.isend(s, nxt), dist.irecv(r, prv)):
+                work.wait()
 
     return pair
 
