@@ -135,6 +135,11 @@ def make_peft_use_global_features() -> None:
         return
 
     def get_in_out_features(module):
+        if isinstance(module, (RotatedLinear, RotatedConv1D)):
+            # every tuner layer asks this of its base at creation, before its init runs: a tuner class defined
+            # since PEFT's import (a user's custom LoRA layer overriding pissa_init or merge) gets its refusals now
+            _refuse_inits_that_read_the_base()
+            _refuse_merges_not_compared()
         if isinstance(module, RotatedLinear):
             return module.in_features, module.out_features
         if isinstance(module, RotatedConv1D):

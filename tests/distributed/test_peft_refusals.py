@@ -45,6 +45,19 @@ def _refusals(ckpt, mixtral):
         with pytest.raises(hf_rtp.RotatedStateError) as refused:
             model.merge_and_unload()
         said[name] = str(refused.value)
+    # a user's LoRA layer class, defined after PEFT's import and hf_rtp's load, with a merge of its own
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class OwnMerge(LoraLinear):
+        def merge(self, safe_merge=False, adapter_names=None):
+            self.merged_adapters.extend(adapter_names or self.active_adapters)  # would add B @ A to the rows
+
+    own = LoraConfig(r=4, target_modules=["q_proj"])
+    own._register_custom_module({torch.nn.Linear: OwnMerge})
+    custom = get_peft_model(hf_rtp.from_pretrained(ckpt, dtype=torch.float64), own)
+    with pytest.raises(hf_rtp.RotatedStateError) as refused:
+        custom.merge_and_unload()
+    said["own merge"] = str(refused.value)
     # LoHa: merged by PEFT itself, on the rows each rank holds, as vanilla merges the whole weight
     loha = LoHaConfig(r=4, target_modules=["q_proj", "down_proj"], init_weights=False)
     torch.manual_seed(0)
@@ -69,4 +82,5 @@ def test_peft_paths_that_need_the_whole_weight_are_refused_and_loha_merges_as_va
         assert "adapters on rotated expert weights are not supported" in said["experts"], said
         assert "merging IA3" in said["ia3"] or "merging Linear (peft.tuners.ia3" in said["ia3"], said
         assert "peft.tuners.boft" in said["boft"], said
+        assert "merging OwnMerge" in said["own merge"], said  # wrapped at its first layer, though defined late
         assert gap < 1e-12, gap
