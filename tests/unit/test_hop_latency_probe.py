@@ -42,53 +42,38 @@ def _late_figures(results, rank: int) -> None:
     results.put((rank, {}, "batched"))
 
 
-def test_a_rank_that_exits_without_its_figures_ends_the_wait_at_once_by_name():
+def _collected(*targets, timeout: float):
+    """The probe's _collect over processes running `targets` ((function, args) each), every one joined after."""
     probe = _probe()
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_figures, args=(results, 0)), ctx.Process(target=_dies)]
+    procs = [ctx.Process(target=f, args=tuple(results if a is _QUEUE else a for a in args)) for f, args in targets]
     for p in procs:
         p.start()
-    began = time.monotonic()
     try:
-        with pytest.raises(SystemExit, match=r"rank 1 \(exit code 3\) ended without its figures"):
-            probe._collect(results, procs, timeout=120.0)
+        return probe._collect(results, procs, timeout=timeout)
     finally:
         for p in procs:
             p.join(timeout=10)
+
+
+_QUEUE = object()  # stands for the results queue in a target's arguments
+
+
+def test_a_rank_that_exits_without_its_figures_ends_the_wait_at_once_by_name():
+    began = time.monotonic()
+    with pytest.raises(SystemExit, match=r"rank 1 \(exit code 3\) ended without its figures"):
+        _collected((_figures, (_QUEUE, 0)), (_dies, ()), timeout=120.0)
     assert time.monotonic() - began < 30  # seconds after the exit, not the 120 s timeout
 
 
 def test_every_ranks_figures_are_collected():
-    probe = _probe()
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_figures, args=(results, r)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = probe._collect(results, procs, timeout=60.0)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
+    got = _collected((_figures, (_QUEUE, 0)), (_figures, (_QUEUE, 1)), timeout=60.0)
     assert sorted(rank for rank, _, _ in got) == [0, 1]
 
 
 def test_a_rank_failing_after_its_figures_does_not_throw_the_run_away():
     """A rank's teardown (destroy_process_group) may exit non-zero after it delivered: the other's figures still
     count."""
-    probe = _probe()
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_figures_then_dies, args=(results, 0)),
-        ctx.Process(target=_late_figures, args=(results, 1)),
-    ]
-    for p in procs:
-        p.start()
-    try:
-        got = probe._collect(results, procs, timeout=60.0)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
+    got = _collected((_figures_then_dies, (_QUEUE, 0)), (_late_figures, (_QUEUE, 1)), timeout=60.0)
     assert sorted(rank for rank, _, _ in got) == [0, 1]
