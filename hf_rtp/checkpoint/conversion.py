@@ -26,6 +26,7 @@ from transformers.core_model_loading import (
 )
 
 from ..errors import CheckpointError
+from ..model.install import persistent_buffers
 from .safetensors_io import TensorEntry, read_rows
 
 
@@ -100,7 +101,8 @@ def own(name: str, shape: torch.Size) -> Source:
 
 
 def stored_sources(model: PreTrainedModel, stored: list[str]) -> dict[str, Source]:
-    """Parameter name -> its Source, for every parameter the stored names provide (others: absent)."""
+    """Parameter (or persistent buffer) name -> its Source, for every one the stored names provide (others:
+    absent)."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -108,6 +110,7 @@ def stored_sources(model: PreTrainedModel, stored: list[str]) -> dict[str, Sourc
     prefix: str = model.base_model_prefix
     known = dict.fromkeys(model.state_dict(keep_vars=True), True)
     shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    shapes.update({n: b.shape for n, b in persistent_buffers(model).items()})
 
     merged: dict[str, dict[str, list[tuple[str, str]]]] = defaultdict(lambda: defaultdict(list))
     sources: dict[str, Source] = {}

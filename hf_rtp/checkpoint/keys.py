@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from ..distributed.sharding import chunk_rows
 from ..distributed.topology import Topology
 from ..log import warning
+from ..model.install import persistent_buffers
 from ..model.ties import tie_targets
 from ..plans import Resolution
 from .conversion import Source, Transposed, own, stored_sources
@@ -77,7 +78,8 @@ class Want:
 def wants_for(
     model: PreTrainedModel, resolution: Resolution, topology: Topology, entries: dict[str, TensorEntry]
 ) -> tuple[dict[str, Want], dict[str, Source]]:
-    """What this rank reads for each parameter; and each parameter's source, for saving."""
+    """What this rank reads for each parameter and each persistent buffer stored; and each one's source, for
+    saving."""
     targets = tie_targets(model)
     sources = stored_sources(model, list(entries))
     wants = {}
@@ -93,4 +95,10 @@ def wants_for(
             stored = source.names[0]
             source = Transposed([(stored, entries[stored].shape)], saved_names=source.saved_names)
         wants[name] = Want(param.shape, rows, source, param.dtype if param.is_floating_point() else None)
+    for name, buffer in persistent_buffers(model).items():
+        # a buffer the checkpoint stores (a router's correction bias) is read whole, in the dtype the model keeps
+        # it in; one it lacks keeps the value the model was built with, as in vanilla
+        source = sources.get(name) or own(name, buffer.shape)
+        if all(stored in entries for stored in source.names):
+            wants[name] = Want(buffer.shape, None, source, buffer.dtype if buffer.is_floating_point() else None)
     return wants, {name: want.source for name, want in wants.items()}

@@ -15,6 +15,17 @@ from ..plans import Resolution
 from .ties import tie_targets
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds, by name: those a checkpoint stores and a load must read (a router's
+    `e_score_correction_bias`), not the ones computed at construction (rotary tables, registered non-persistent)."""
+    found = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for key, buffer in module._buffers.items():
+            if buffer is not None and key not in module._non_persistent_buffers_set:
+                found[f"{prefix}.{key}" if prefix else key] = buffer
+    return found
+
+
 def rotated_parameter(local: torch.Tensor, shape: torch.Size, topology: Topology) -> nn.Parameter:
     stride = torch.empty(shape, device="meta").stride()
     dtensor = DTensor.from_local(local, topology.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
@@ -26,9 +37,13 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
     """Replace every parameter of `model` by the loaded one, and rotated modules by their rotated op."""
     rotate = topology.rtp_size > 1  # rings of one (rtp_size=1): plain data parallel
     shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    buffers = persistent_buffers(model)
     params: dict[str, nn.Parameter] = {}
     for name, tensor in tensors.items():
-        if rotate and name in resolution.rotated_params:
+        if name in buffers:  # read whole, as vanilla loads it; never rotated
+            owner, _, leaf = name.rpartition(".")
+            (model.get_submodule(owner) if owner else model)._buffers[leaf] = tensor
+        elif rotate and name in resolution.rotated_params:
             params[name] = rotated_parameter(tensor, shapes[name], topology)
         else:
             params[name] = nn.Parameter(tensor)

@@ -117,5 +117,9 @@ def make_zoo_checkpoint(name: str, path, dtype: torch.dtype = torch.float32, see
     with torch.no_grad():  # some inits leave zeros (biases, norms, sinks): make every tensor distinctive
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        for module in model.modules():  # and the buffers it stores (DeepSeek-V3's routing bias)
+            for key, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and key not in module._non_persistent_buffers_set:
+                    b.add_(torch.randn_like(b) * 0.5)  # large enough to change which experts are chosen
     model.save_pretrained(path)
     return str(path)
