@@ -19,8 +19,9 @@ from ..log import warning
 from ..model.state import state_of
 from .save import write
 
-# what accelerate and Trainer pass for pickle-based saves: meaningless for a gathered safetensors save
-_IGNORED_KWARGS = {"save_function", "save_peft_format", "save_original_format", "distributed_checkpoint"}
+# what accelerate and Trainer pass for pickle-based saves and PEFT's key format: meaningless for a gathered
+# safetensors save of a whole model
+_IGNORED_KWARGS = {"save_function", "save_peft_format"}
 
 # what save_pretrained(push_to_hub=True, ...) takes for the push, with vanilla's meaning (vanilla passes
 # what it does not pop to `create_repo`, of which hf_rtp takes `private`; anything else is refused)
@@ -57,13 +58,20 @@ def save_pretrained(
         raise SettingError("hf_rtp writes safetensors only; drop safe_serialization=False")
     for name in _IGNORED_KWARGS:
         kwargs.pop(name, None)
+    original_format = bool(kwargs.pop("save_original_format", True))  # False: the model's own names, as vanilla
+    if kwargs.pop("distributed_checkpoint", False):
+        raise KeywordError(
+            "save_pretrained(distributed_checkpoint=True): hf_rtp writes one gathered safetensors checkpoint (vanilla "
+            "raises here for a model that is neither FSDP nor tensor parallel). Drop the keyword; for a sharded "
+            "save of the training state, hf_rtp.save_training_state"
+        )
     if variant is not None:
         raise KeywordError("hf_rtp does not write weight variants yet: drop variant=")
     if push_to_hub:
-        return push_saved(model, save_directory, state_dict, max_shard_size, token, **kwargs)
+        return push_saved(model, save_directory, state_dict, max_shard_size, token, original_format, **kwargs)
     for name in sorted(kwargs):
         warning(f"save_pretrained ignores {name}=")
-    write(model, save_directory, state_dict, max_shard_size)
+    write(model, save_directory, state_dict, max_shard_size, original_format)
 
 
 def push_to_hub(
@@ -100,7 +108,15 @@ def push_to_hub(
         )
 
 
-def push_saved(model, save_directory: str | os.PathLike, state_dict, max_shard_size: int | str, token, **kwargs):
+def push_saved(
+    model,
+    save_directory: str | os.PathLike,
+    state_dict,
+    max_shard_size: int | str,
+    token,
+    original_format: bool = True,
+    **kwargs,
+):
     """save_pretrained(..., push_to_hub=True): the save into `save_directory`, then its files pushed."""
     unknown = sorted(set(kwargs) - set(_SAVE_PUSH_KWARGS))
     if unknown:
@@ -110,7 +126,7 @@ def push_saved(model, save_directory: str | os.PathLike, state_dict, max_shard_s
         )
     folder = os.fspath(save_directory)
     repo_id = kwargs.pop("repo_id", None) or os.path.basename(folder.rstrip(os.sep))
-    written = write(model, folder, state_dict, max_shard_size)
+    written = write(model, folder, state_dict, max_shard_size, original_format)
     _upload_on_writer(model, folder, written, repo_id, token=token, **kwargs)
 
 

@@ -15,15 +15,18 @@ import json
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import faults
 from ..distributed.agreement import Attempts, agreed
 from ..distributed.sharding import ChunkLayout
 from ..distributed.topology import Topology
+from ..errors import CollectiveMisuseError
 from ..folders import commit
 from ..folders.commit import INDEX_NAME, SINGLE_NAME
 from ..log import info, progress
@@ -70,9 +73,10 @@ class _Stored:
         return math.prod(self.shape) * self.tensor.dtype.itemsize
 
 
-def _stored_tensors(model, tensors: dict[str, torch.Tensor]) -> dict[str, _Stored]:
-    """The checkpoint's tensors by stored name, in the format the model was loaded from."""
-    sources = state_of(model).sources
+def _stored_tensors(model, tensors: dict[str, torch.Tensor], original_format: bool = True) -> dict[str, _Stored]:
+    """The checkpoint's tensors by stored name: in the format the model was loaded from, or with
+    `original_format=False` (save_pretrained's `save_original_format`) under the model's own names."""
+    sources = state_of(model).sources if original_format else {}
     out = {}
     for name, tensor in tensors.items():
         for stored_name, shape, rows, cols in (sources.get(name) or own(name, tensor.shape)).stored_parts(tensor.shape):
@@ -108,7 +112,36 @@ def _tensors_to_save(model, state_dict) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max_shard_size: int | str) -> list[str]:
+def _same_tensors_everywhere(tensors: dict[str, _Stored], topology: Topology) -> None:
+    """Every rank's list of stored tensors (names, shapes, dtypes, rows, rotated or not) is the same, or every
+    rank fails here: a rotated tensor is gathered by pairing its pieces in order, so ranks saving different
+    lists (a `state_dict=` built per rank) would write one tensor's rows under another's name, or wait."""
+    if topology.world_size == 1:
+        return
+    crc = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        what = (name, tuple(t.tensor.shape), str(t.tensor.dtype), t.rows, t.cols, isinstance(t.tensor, DTensor))
+        crc = zlib.crc32(repr(what).encode(), crc)
+    mine = torch.tensor([crc, len(tensors)], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(topology.world_size)]
+    dist.all_gather(everyone, mine, group=topology.control)
+    if len({tuple(t.tolist()) for t in everyone}) > 1:
+        counts = ", ".join(f"rank {r}: {int(t[1])} tensors" for r, t in enumerate(everyone))
+        raise CollectiveMisuseError(
+            f"save_pretrained: ranks asked to save different tensors ({counts}; names, shapes or dtypes differ). "
+            "Every rank's save gathers the same tensors together: pass every rank the same state_dict= (each "
+            "rank's model.state_dict(), or a selection made alike on every rank), or none"
+        )
+
+
+def write(
+    model,
+    save_directory: str | os.PathLike,
+    state_dict: dict | None,
+    max_shard_size: int | str,
+    original_format: bool = True,
+) -> list[str]:
     """save_pretrained's collective write; returns, on the writer, the names of the files this save
     wrote into the folder (its whole checkpoint), and [] on every other rank."""
     topology: Topology = state_of(model).topology
@@ -125,7 +158,8 @@ def write(model, save_directory: str | os.PathLike, state_dict: dict | None, max
     writer_rank = topology.is_writer
     written: list[str] = []
 
-    tensors = _stored_tensors(model, _tensors_to_save(model, state_dict))
+    tensors = _stored_tensors(model, _tensors_to_save(model, state_dict), original_format)
+    _same_tensors_everywhere(tensors, topology)
     names = sorted(tensors)  # vanilla splits files in sorted name order; same order, same files
     sizes = [(n, tensors[n].nbytes) for n in names]
     shards = plan_shards(sizes, parse_size(max_shard_size))
