@@ -42,7 +42,8 @@ def save_pretrained(
 ) -> None:
     """Write a standard Hugging Face checkpoint. Collective: every rank calls it; one rank writes.
 
-    `is_main_process` is accepted for accelerate/Trainer compatibility; the writer is always ring rank 0
+    `is_main_process` (accelerate and Trainer pass `accelerator.is_main_process`) chooses whether a checkpoint is
+    written at all: False on every rank writes nothing, as in vanilla; otherwise the writer is always ring rank 0
     of the first replica (global rank 0 unless a device_mesh orders ranks otherwise), because every
     rank of its ring must take part in gathering the rotated tensors. Called
     on some ranks only (`if accelerator.is_main_process:`), it fails on them within the entry
@@ -53,7 +54,10 @@ def save_pretrained(
     have vanilla's meaning.
     """
     topology: Topology = state_of(model).topology
-    topology.enter("save_pretrained")
+    asked = topology.enter("save_pretrained", payload=[int(bool(is_main_process))])
+    if not any(row[0] for row in asked):  # no rank is the main process: vanilla then writes nothing
+        os.makedirs(save_directory, exist_ok=True)
+        return
     if not safe_serialization:
         raise SettingError("hf_rtp writes safetensors only; drop safe_serialization=False")
     for name in _IGNORED_KWARGS:

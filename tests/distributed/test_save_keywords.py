@@ -1,8 +1,9 @@
 """save_pretrained's keywords with vanilla's meaning, or refused by name, and the save's tensors agreed by every
-rank: `save_original_format=False` writes the model's own names as vanilla does (it was dropped, so a per-expert
-Mixtral saved per-expert anyway); `distributed_checkpoint=True` is refused (vanilla raises for a model neither
-FSDP nor tensor parallel); ranks passing different `state_dict=` fail at once on every rank (a rotated tensor's
-pieces pair by order, so one tensor's rows were written under another's name, without an error)."""
+rank: `is_main_process=False` on every rank writes nothing, as vanilla; `save_original_format=False` writes the
+model's own names as vanilla does (it was dropped, so a per-expert Mixtral saved per-expert anyway);
+`distributed_checkpoint=True` is refused (vanilla raises for a model neither FSDP nor tensor parallel); ranks
+passing different `state_dict=` fail at once on every rank (a rotated tensor's pieces pair by order, so one
+tensor's rows were written under another's name, without an error)."""
 
 import os
 import time
@@ -32,6 +33,8 @@ def _saves(ckpt, out):
         said["names"] = (sorted(ours) == sorted(theirs), sorted(set(ours) ^ set(theirs))[:4])
         said["values"] = all(torch.equal(ours[k], theirs[k]) for k in theirs if k in ours)
         said["per expert"] = any(".experts.0." in k for k in ours)
+    model.save_pretrained(f"{out}/none", is_main_process=False)  # on every rank: vanilla writes nothing
+    said["none"] = os.listdir(f"{out}/none")
     with pytest.raises(KeywordError) as refused:
         model.save_pretrained(f"{out}/dcp", distributed_checkpoint=True)
     said["dcp"] = str(refused.value)
@@ -50,6 +53,7 @@ def test_save_keywords_keep_vanillas_meaning_and_ranks_agree_on_the_tensors(tmp_
         if rank == 0:
             assert said["names"] == (True, []), said["names"]
             assert said["values"] and not said["per expert"], said
+        assert said["none"] == [], said["none"]
         assert "distributed_checkpoint=True" in said["dcp"]
         message, seconds, written = said["mixed"]
         assert "ranks asked to save different tensors" in message and seconds < 30 and not written, said["mixed"]
