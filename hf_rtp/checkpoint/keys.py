@@ -73,6 +73,8 @@ class Want:
     source: Source
     dtype: torch.dtype | None = None
     """the dtype the model keeps it in (a float32 router in a bfloat16 model, as vanilla's load keeps it)"""
+    buffer: bool = False
+    """a persistent buffer (any dtype, cast to `dtype` as load_state_dict copies it), not a parameter"""
 
 
 def wants_for(
@@ -100,5 +102,5 @@ def wants_for(
         # it in; one it lacks keeps the value the model was built with, as in vanilla
         source = sources.get(name) or own(name, buffer.shape)
         if all(stored in entries for stored in source.names):
-            wants[name] = Want(buffer.shape, None, source, buffer.dtype if buffer.is_floating_point() else None)
+            wants[name] = Want(buffer.shape, None, source, buffer.dtype, buffer=True)
     return wants, {name: want.source for name, want in wants.items()}

@@ -12,6 +12,7 @@ from ..errors import CheckpointError
 from ..folders.commit import recover_before_reading
 from ..layers.common import local
 from ..log import progress
+from ..model.install import persistent_buffers
 from ..model.state import rotated_module, state_of
 from .digests import overlapped
 from .files import find_weights
@@ -61,7 +62,7 @@ def read_local(
         )
     for want in wants.values():
         for name, shape in want.source.pieces:
-            if not entries[name].dtype.is_floating_point:
+            if not entries[name].dtype.is_floating_point and not want.buffer:  # a buffer may hold integers
                 raise CheckpointError(
                     f"{name} is stored as {entries[name].dtype} in {entries[name].path}, but it is a floating-point "
                     "weight of the model: the file's header is damaged or the file holds quantized weights, which "
@@ -82,7 +83,7 @@ def read_local(
             if compare and wants[name].rows is None:
                 digests[name] = tensor_digest(tensor)
             wanted = wants[name].dtype or dtype
-            if tensor.is_floating_point() and tensor.dtype != wanted:
+            if (tensor.is_floating_point() or wants[name].buffer) and tensor.dtype != wanted:
                 tensor = tensor.to(wanted)
             out[name] = tensor.to(device)
             if transforms and name in transforms:
@@ -101,6 +102,7 @@ def load_into(model: nn.Module, directory: str) -> None:
         entries = find_weights(directory).tensors()
         wants, _ = wants_for(base, state.resolution, topology, entries)
     tensors = read_proven(entries, wants, next(base.parameters()).dtype, topology)
+    buffers = persistent_buffers(base)
     with torch.no_grad():
         for name, tensor in tensors.items():
-            local(base.get_parameter(name)).copy_(tensor)
+            (buffers[name] if name in buffers else local(base.get_parameter(name))).copy_(tensor)

@@ -55,9 +55,6 @@ def save_pretrained(
     """
     topology: Topology = state_of(model).topology
     asked = topology.enter("save_pretrained", payload=[int(bool(is_main_process))])
-    if not any(row[0] for row in asked):  # no rank is the main process: vanilla then writes nothing
-        os.makedirs(save_directory, exist_ok=True)
-        return
     if not safe_serialization:
         raise SettingError("hf_rtp writes safetensors only; drop safe_serialization=False")
     for name in _IGNORED_KWARGS:
@@ -71,6 +68,11 @@ def save_pretrained(
         )
     if variant is not None:
         raise KeywordError("hf_rtp does not write weight variants yet: drop variant=")
+    if not any(row[0] for row in asked):  # no rank is the main process: vanilla then writes nothing
+        if os.path.isfile(save_directory):
+            raise NotADirectoryError(f"{save_directory} is a file; save_pretrained needs a directory")
+        os.makedirs(save_directory, exist_ok=True)
+        return
     if push_to_hub:
         return push_saved(model, save_directory, state_dict, max_shard_size, token, original_format, **kwargs)
     for name in sorted(kwargs):

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..distributed.rotated import make_rotated
 from ..distributed.topology import Topology
+from ..errors import UnsupportedModelError
 from ..layers import LAYERS, RotatedLinear, siblings
 from ..plans import Resolution
 from .ties import tie_targets
@@ -57,6 +58,12 @@ def install(model: nn.Module, resolution: Resolution, tensors: dict[str, torch.T
     if rotate:
         for module_name, kind in resolution.rotated.items():
             original: Any = model.get_submodule(module_name)  # of the class the plan resolved for `kind`
+            if persistent_buffers(original):  # its rotated op would drop them: refused, never lost silently
+                raise UnsupportedModelError(
+                    f"{module_name} ({type(original).__name__}) holds stored buffers "
+                    f"({', '.join(persistent_buffers(original))}) that its rotated {kind} layer does not keep: "
+                    "leave it out of the plan (hf_rtp.Plan), or load it with vanilla transformers"
+                )
             leaves = {leaf: params[f"{module_name}.{leaf}"] for leaf, _ in original.named_parameters(recurse=False)}
             rotated = LAYERS[kind].rotated(original, ring=topology.ring, **leaves)
             model.set_submodule(module_name, rotated)

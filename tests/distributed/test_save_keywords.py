@@ -35,6 +35,8 @@ def _saves(ckpt, out):
         said["per expert"] = any(".experts.0." in k for k in ours)
     model.save_pretrained(f"{out}/none", is_main_process=False)  # on every rank: vanilla writes nothing
     said["none"] = os.listdir(f"{out}/none")
+    model.save_pretrained(f"{out}/main", is_main_process=rank == 0)  # accelerate's pattern: rank 0 is main
+    said["main"] = os.path.exists(f"{out}/main/model.safetensors")
     with pytest.raises(KeywordError) as refused:
         model.save_pretrained(f"{out}/dcp", distributed_checkpoint=True)
     said["dcp"] = str(refused.value)
@@ -53,7 +55,7 @@ def test_save_keywords_keep_vanillas_meaning_and_ranks_agree_on_the_tensors(tmp_
         if rank == 0:
             assert said["names"] == (True, []), said["names"]
             assert said["values"] and not said["per expert"], said
-        assert said["none"] == [], said["none"]
+        assert said["none"] == [] and said["main"], said
         assert "distributed_checkpoint=True" in said["dcp"]
         message, seconds, written = said["mixed"]
         assert "ranks asked to save different tensors" in message and seconds < 30 and not written, said["mixed"]
