@@ -158,7 +158,8 @@ def write(
     writer_rank = topology.is_writer
     written: list[str] = []
 
-    tensors = _stored_tensors(model, _tensors_to_save(model, state_dict), original_format)
+    with agreed(topology.control, CheckpointError):  # a state_dict= one rank cannot save fails every rank here
+        tensors = _stored_tensors(model, _tensors_to_save(model, state_dict), original_format)
     _same_tensors_everywhere(tensors, topology)
     names = sorted(tensors)  # vanilla splits files in sorted name order; same order, same files
     sizes = [(n, tensors[n].nbytes) for n in names]

@@ -13,7 +13,7 @@ import torch
 from support.models import make_tiny
 from support.spawn import run_on_ranks
 
-from hf_rtp.errors import CollectiveMisuseError, KeywordError
+from hf_rtp.errors import CheckpointError, CollectiveMisuseError, KeywordError
 
 
 def _saves(ckpt, out):
@@ -46,6 +46,10 @@ def _saves(ckpt, out):
     with pytest.raises(CollectiveMisuseError) as refused:
         model.save_pretrained(f"{out}/mixed", state_dict=mine)
     said["mixed"] = (str(refused.value), time.monotonic() - began, os.path.exists(f"{out}/mixed/model.safetensors"))
+    unsavable = whole if rank == 0 else {"x": object()}  # a state_dict= only rank 1 cannot save
+    with pytest.raises(CheckpointError) as refused:
+        model.save_pretrained(f"{out}/unsavable", state_dict=unsavable)
+    said["unsavable"] = str(refused.value)
     return said
 
 
@@ -59,3 +63,4 @@ def test_save_keywords_keep_vanillas_meaning_and_ranks_agree_on_the_tensors(tmp_
         assert "distributed_checkpoint=True" in said["dcp"]
         message, seconds, written = said["mixed"]
         assert "ranks asked to save different tensors" in message and seconds < 30 and not written, said["mixed"]
+        assert "rank 1 failed" in said["unsavable"], said["unsavable"]  # on both ranks, at once
