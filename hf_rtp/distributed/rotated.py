@@ -37,10 +37,11 @@ from ..private.torch_names import (
     foreach_type_lists,
     implicit_replication,
     local_tensor,
+    op_schema,
     overload,
     set_implicit_replication,
 )
-from . import blockwise, rendezvous, transport
+from . import blockwise, rendezvous, row_edits, transport
 from .sharding import chunk_rows
 
 _PICKLE_REFUSED = (
@@ -175,10 +176,17 @@ class RotatedTensor(DTensor):
 
     # nn.Parameter(t) and Module._apply need detach(), copy.deepcopy needs clone(), to keep the class
     def detach(self) -> RotatedTensor:
-        return _marked(DTensor.detach(self))
+        return _marked(DTensor.detach(self), type(self))  # a RowsCopy's detached alias is one too
 
     def clone(self, *args, **kwargs) -> RotatedTensor:
         return _marked(DTensor.clone(self, *args, **kwargs))
+
+    def __setitem__(self, key, value) -> None:
+        # vanilla's indexing is a view, DTensor's a gathered copy: write each rank's own rows (row_edits.py)
+        if tuple(self.placements) == (Shard(0),):
+            row_edits.assign(self, key, value)
+        else:
+            DTensor.__setitem__(self, key, value)
 
     def untyped_storage(self):
         # what safetensors (accelerate's default save_state, save_model, save_file) reads first; and what
@@ -217,9 +225,11 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
     methods, such as `untyped_storage`'s refusal, so __torch_function__ leaves them as they are)."""
     # DTensor's own handler for subclasses wraps every argument in a new DTensor; setting the class of
     # this op's rotated arguments to DTensor for the call (and back) does the same for a third of the cost
-    rotated = [t for t in _tensors(args) if type(t) is RotatedTensor]
-    rotated += [t for t in _tensors(kwargs.values()) if type(t) is RotatedTensor]
-    swapped = rotated if as_dtensor else []
+    rotated = [t for t in _tensors(args) if isinstance(t, RotatedTensor)]
+    rotated += [t for t in _tensors(kwargs.values()) if isinstance(t, RotatedTensor)]
+    swapped = [(t, type(t)) for t in rotated] if as_dtensor else []
+    if rotated and _writes_a_copy(func, args, kwargs):
+        row_edits.refuse_write(_op_name(func))
     if rotated and _namespace(func) == "c10d":
         raise RotatedStateError(_C10D_REFUSED.format(op=func))
     if rotated and _namespace(func) == "bitsandbytes":
@@ -230,7 +240,7 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
         args = (sorted(args[0], key=lambda t: not isinstance(t, DTensor)), *args[1:])
     allowed = implicit_replication()
     try:
-        for t in swapped:
+        for t, _ in swapped:
             t.__class__ = DTensor
         set_implicit_replication(True)
         try:
@@ -242,9 +252,47 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
             raise RotatedStateError(_MIXED_REFUSED.format(op=_op_name(func))) from err
     finally:
         set_implicit_replication(allowed)
-        for t in swapped:
-            t.__class__ = RotatedTensor
+        for t, kind in swapped:
+            t.__class__ = kind
+    if isinstance(out, DTensor) and _is_view(func) and _is_rows_copy(out, rotated):
+        return _marked(out, RowsCopy)  # a gathered copy where vanilla gives a view: writes into it are refused
     return _marked_outputs(out)
+
+
+def _is_view(func) -> bool:
+    """Whether vanilla's `func` returns a view of its input (`aten.slice`, `select`; `Tensor.__getitem__` as
+    __torch_function__ sees it)."""
+    if isinstance(func, OpOverload):
+        returns = op_schema(func).returns
+        return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    return getattr(func, "__name__", None) in _VIEW_FUNCTIONS
+
+
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+_VIEW_FUNCTIONS = frozenset({"__getitem__", "narrow", "select", "index_select_view"})
+
+
+def _is_rows_copy(out: DTensor, rotated: list) -> bool:
+    """Whether a view op's output is a copy (it shares no rotated argument's storage, as DTensor's gather of rows
+    gives), or a view of a RowsCopy."""
+    ptr = local_tensor(out).untyped_storage().data_ptr()
+    shared = [t for t in rotated if local_tensor(t).untyped_storage().data_ptr() == ptr]
+    return not shared or any(isinstance(t, RowsCopy) for t in shared)
+
+
+def _writes_a_copy(func, args: tuple, kwargs: dict) -> bool:
+    """Whether `func` writes in place into a RowsCopy (rows gathered from a rotated tensor), which vanilla's view
+    would have written through to the tensor."""
+    if isinstance(func, OpOverload):
+        schema = op_schema(func)
+        written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if not written:
+            return False
+        values = dict(zip([a.name for a in schema.arguments], args, strict=False)) | kwargs
+        return any(isinstance(t, RowsCopy) for name in written for t in _tensors([values.get(name)]))
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
+    return in_place and bool(args) and isinstance(args[0], RowsCopy)
 
 
 def _marked_outputs(out):
@@ -457,8 +505,19 @@ for _supported in foreach_type_lists:
         _supported.append(RotatedTensor)
 
 
-def _marked(tensor: DTensor) -> RotatedTensor:
-    tensor.__class__ = RotatedTensor  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
+class RowsCopy(RotatedTensor):
+    """What indexing a rotated tensor along its rows gives (`w.data[:5]`, `w[7]`): DTensor gathers the rows every
+    rank asked for into a replicated copy, where vanilla gives a view. Read it as any tensor; an in-place op on it
+    is refused by name (row_edits.py), since it could only change the copy."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value) -> None:
+        row_edits.refuse_write("an assignment")
+
+
+def _marked(tensor: DTensor, kind: type = RotatedTensor) -> RotatedTensor:
+    tensor.__class__ = kind  # same layout as DTensor; dispatch and nn.Parameter checks unchanged
     return tensor
 
 
