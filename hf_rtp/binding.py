@@ -17,10 +17,11 @@ from .integrations.accelerate import check_accelerate_state
 from .integrations.peft import install_when_peft_is_imported
 from .integrations.trainer import adopt_caller, check_attached, refuse_unattached_save
 from .model import traffic
-from .model.data_parallel import ignore_rotated_in_ddp, watch
+from .model.data_parallel import ignore_rotated_in_ddp, watch_holders
 from .model.generation import generate
 from .model.heads import is_causal_lm
 from .model.state import ATTRIBUTE, RTPState
+from .model.step_check import watch
 from .model.vocabulary import resize_token_embeddings
 
 
@@ -72,7 +73,8 @@ def bind(model: nn.Module, state: RTPState, load: Callable[..., nn.Module]) -> n
         # after the model's forward (its LM head included)
         model.register_forward_hook(_after_forward, always_call=True)
         install_when_peft_is_imported()  # process-wide, until PEFT knows the `rtp` mesh
-        watch(model, backbone)  # a step over replicated gradients that nothing averaged is refused
+        watch(model, backbone, state.topology)  # a step over replicated gradients that nothing averaged is refused
+        watch_holders()  # and any module that takes the model in: DDP's ignore list and the same watch
     return model
 
 

@@ -32,9 +32,9 @@ from .errors import CheckpointError, KeywordError, SettingError, TopologyError
 from .folders.commit import recover_before_reading
 from .integrations import bitsandbytes, torchao
 from .integrations.accelerate import check_accelerate_state
-from .model.data_parallel import check_steps
 from .model.heads import fresh_head, initialise_head
 from .model.install import install
+from .model.step_check import check_steps
 from .model.ties import tie_targets
 from .plans.auto import auto_plan
 from .private.transformers_names import float32_patterns

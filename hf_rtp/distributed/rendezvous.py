@@ -34,6 +34,8 @@ _CALLS = {
         "context_parallel",
         "initialize_lora_eva_weights",
         "generate's step",
+        "sync_grads",
+        "a forward's new replicated parameters",
     )
 }
 

@@ -26,9 +26,6 @@ class RTPState:
     spec: LoadSpec | None = None
     """how this model was loaded (settings, grid, plan): what loading another model like it passes to
     from_pretrained (TRL's reference model, integrations/trl.py)"""
-    averaged_by_ddp: bool = False
-    """DDP wrapped the model (it read the ignore list: accelerate's prepare, Trainer and TRL wrap it so), so DDP
-    averages its replicated gradients and an optimizer step needs no proof of sync_grads (model/data_parallel.py)"""
 
 
 def rotated_module(model: nn.Module) -> nn.Module | None:
@@ -44,6 +41,15 @@ def rotated_module(model: nn.Module) -> nn.Module | None:
             (children[k] for k in ("module", "base_model", "model", "_orig_mod") if children.get(k) is not None), None
         )
     return None
+
+
+def find_rotated(module: nn.Module) -> nn.Module | None:
+    """The model hf_rtp loaded inside `module`, wherever it sits (a user's wrapper's `backbone`, an nn.Sequential's
+    item): rotated_module's wrappers first, else the first module that carries hf_rtp's state."""
+    found = rotated_module(module)
+    if found is None:
+        found = next((m for m in module.modules() if ATTRIBUTE in m.__dict__), None)
+    return found
 
 
 @overload

@@ -41,6 +41,8 @@ def _only_rank0_calls(ckpt, call, out):
                 model.push_to_hub("user/repo")
             elif call == "generate":
                 model.generate(batch, max_new_tokens=2)
+            elif call == "sync_grads":  # a plain loop's average of the norms' gradients, on one rank only
+                hf_rtp.sync_grads(model)
             elif call == "full_tensor":  # e.g. logging a weight from the main process only
                 model.lm_head.weight.full_tensor()
             elif call == "redistribute":
@@ -58,7 +60,7 @@ def _only_rank0_calls(ckpt, call, out):
     return outcome
 
 
-@pytest.mark.parametrize("call", ["save_pretrained", "push_to_hub", "generate", "forward"])
+@pytest.mark.parametrize("call", ["save_pretrained", "push_to_hub", "generate", "forward", "sync_grads"])
 def test_a_call_made_by_one_rank_fails_there_within_the_entry_timeout(tmp_path, call):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     (seconds, message), skipped = run_on_ranks(_only_rank0_calls, 2, ckpt, call, str(tmp_path / "out"), env=ENTRY)
