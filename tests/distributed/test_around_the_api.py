@@ -1,7 +1,7 @@
 """Where users' code reaches a rotated model around hf_rtp's API: each path equals vanilla DDP, or is refused by name
 on every rank before anything steps.
 
-One run of 2 ranks, float64 (fused_loss=False: hf_rtp's fused loss computes in float32), beside vanilla
+One run of 2 ranks and one of 3, float64 (fused_loss=False: hf_rtp's fused loss computes in float32), beside vanilla
 transformers, PEFT and DDP in the same processes:
 - `optimizer.step(closure)`: a closure without sync_grads is refused after it ran, nothing stepped; with
   sync_grads inside (two micro-batches accumulated) the SGD step equals vanilla DDP's; LBFGS is refused by name;
@@ -232,6 +232,7 @@ def _cases(ckpt):
     return True
 
 
-def test_users_paths_around_the_api_equal_vanilla_ddp_or_are_refused(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])  # 3: uneven chunks of every rotated weight (vocabulary 101)
+def test_users_paths_around_the_api_equal_vanilla_ddp_or_are_refused(tmp_path, world):
     ckpt = make_tiny_llama(tmp_path / "ckpt")
-    assert run_on_ranks(_cases, 2, ckpt) == [True, True]
+    assert run_on_ranks(_cases, world, ckpt) == [True] * world
