@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from .gate import lookup
 
-TESTED = ">=2.6,<2.16"  # pyproject.toml's lower bound; newer releases are warned about (gate.py)
+TESTED = ">=2.11,<2.16"  # pyproject.toml's lower bound; newer releases are warned about (gate.py)
 
 
 def _get(root: Any, path: str) -> Any:

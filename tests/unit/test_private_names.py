@@ -219,10 +219,14 @@ def test_torchao_names_resolve_and_an_older_torchao_is_an_integration_error_nami
 
 def test_an_older_version_or_a_missing_name_is_an_integration_error_naming_it():
     with pytest.raises(
-        hf_rtp.IntegrationError, match=r"torch's private DTensor._op_dispatcher.*torch>=2.6,<2.16.*older"
+        hf_rtp.IntegrationError, match=r"torch's private DTensor._op_dispatcher.*torch>=2.11,<2.16.*2.10.0 is older"
     ):
-        gate.check_version("torch", "2.5.1", torch_names.TESTED, "DTensor._op_dispatcher")
+        gate.check_version("torch", "2.10.0", torch_names.TESTED, "DTensor._op_dispatcher")
+    with pytest.raises(hf_rtp.IntegrationError, match=r"transformers>=5.23,<5.25; transformers 5.22.0 is older"):
+        gate.check_version("transformers", "5.22.0", transformers_names.TESTED, "Trainer methods")
+    gate.check_version("torch", "2.11.0+cu130", torch_names.TESTED, "DTensor._op_dispatcher")  # the oldest run
     gate.check_version("torch", "2.13.0+cpu", torch_names.TESTED, "DTensor._op_dispatcher")  # a local build
+    gate.check_version("transformers", "5.23.0", transformers_names.TESTED, "Trainer methods")
     gate.check_version("torch", "2.15.0+cu132", torch_names.TESTED, "DTensor._op_dispatcher")
     with pytest.raises(hf_rtp.IntegrationError, match=r"private _apply_gate, which transformers \S+ does not have"):
         transformers_names.experts_gate(torch.nn.Linear(2, 2))
@@ -240,24 +244,29 @@ def test_a_newer_version_is_warned_about_once_and_still_looked_up_by_name(caplog
             gate.lookup(torch, "_gone_name", "torch", "2.99.0", torch_names.TESTED)
     warned = [r.getMessage() for r in caplog.records if r.name == "hf_rtp"]
     assert len(warned) == 2, warned  # one per installed version, not per name
-    assert "torch>=2.6,<2.16; torch 2.99.0 is newer" in warned[0]
+    assert "torch>=2.11,<2.16; torch 2.99.0 is newer" in warned[0]
 
 
 def test_the_gates_start_at_pyproject_lower_bounds():
     """pyproject.toml bounds torch and transformers from below only (a newer release is warned about, not
-    downgraded by pip); accelerate keeps its tested range there."""
+    downgraded by pip), at the gates' lower bounds: the oldest releases a check ran on (docs/testing.md,
+    "Versions"), so neither can move without the other; accelerate keeps its tested range there. CI's pinned
+    torch and transformers are inside the gates' ranges."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
     bounds = {}
     for requirement in pyproject["project"]["dependencies"]:
         name, spec = re.fullmatch(r"([a-z_-]+)(.*)", requirement).groups()
         bounds[name] = spec
-    assert bounds["torch"] == torch_names.TESTED.split(",")[0] == ">=2.6"
-    assert bounds["transformers"].split(",")[0] == transformers_names.TESTED.split(",")[0]
+    assert bounds["torch"] == torch_names.TESTED.split(",")[0] == ">=2.11"
+    assert bounds["transformers"].split(",")[0] == transformers_names.TESTED.split(",")[0] == ">=5.23"
     assert bounds["accelerate"] == accelerate_names.TESTED
     assert pyproject["project"]["optional-dependencies"]["bitsandbytes"] == ["bitsandbytes" + bitsandbytes_names.TESTED]
     # torchao is no dependency: CI's one release (.ci/run) and CI's bitsandbytes (.ci/pinned.txt) are in the ranges
     ci = ROOT.parent / ".ci"
+    pinned = dict(re.findall(r"^([a-z_-]+)==(\S+)$", (ci / "pinned.txt").read_text(), re.M))
+    assert pinned["torch"] in SpecifierSet(torch_names.TESTED)
+    assert pinned["transformers"] in SpecifierSet(transformers_names.TESTED)
     assert re.search(r"torchao==(\S+)", (ci / "run").read_text()).group(1) in SpecifierSet(torchao_names.TESTED)
     assert re.search(r"bitsandbytes==(\S+)", (ci / "pinned.txt").read_text()).group(1) in SpecifierSet(
         bitsandbytes_names.TESTED
