@@ -10,7 +10,7 @@ refuses the other redistributions under autograd, where there is no data-paralle
 
 Gradients and everything an op on a rotated tensor makes on the rotation mesh are rotated too, and
 DTensor's implicit replication is on only while such an op runs (RotatedTensor.__torch_dispatch__; on torch
-2.10 and 2.11, whose C++ dispatch skips it, __torch_function__), never for the process: other DTensor
+2.11, whose C++ dispatch skips it, __torch_function__), never for the process: other DTensor
 code keeps torch's check for mixing (DESIGN.md, "Patches").
 """
 
@@ -343,7 +343,7 @@ _OPS = (
 
 
 def _torch_function(cls, func, kinds, args=(), kwargs=None):
-    """torch 2.10 and 2.11 dispatch every DTensor op in C++, a subclass's too, and never call its
+    """torch 2.11 dispatches every DTensor op in C++, a subclass's too, and never calls its
     __torch_dispatch__ (#167051; 2.12 calls it again): there RotatedTensor does the same one level up, for the
     ops called from Python (optimizers, clip_grad_norm_, GradScaler, state dicts, torch.ops). A Python function
     torch routes here too (Tensor.backward, F.dropout) and an attribute's getter (`.grad`, `.shape`) run as they

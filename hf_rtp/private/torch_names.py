@@ -33,10 +33,10 @@ def set_implicit_replication(allowed: bool) -> None:
     _op_dispatcher._allow_implicit_replication = allowed
 
 
-# torch 2.10 and 2.11 dispatch DTensor ops in C++ and skip a subclass's __torch_dispatch__ (#167051: their
-# DTensor.__torch_dispatch__ only raises); 2.9 and older dispatch in Python, 2.12 and newer call a subclass's
-# again. distributed/rotated.py then does its work in __torch_function__ instead.
-SUBCLASS_DISPATCH_BYPASSED = Version(torch.__version__).release[:2] in ((2, 10), (2, 11))
+# torch 2.11 dispatches DTensor ops in C++ and skips a subclass's __torch_dispatch__ (#167051: its
+# DTensor.__torch_dispatch__ only raises; 2.10 did too, but is below TESTED, so refused above); 2.12 and newer
+# call a subclass's again. distributed/rotated.py then does its work in __torch_function__ instead.
+SUBCLASS_DISPATCH_BYPASSED = Version(torch.__version__).release[:2] == (2, 11)
 # an op as torch.ops hands it over: one overload, or the packet of them `torch.ops.lib.op(...)` calls
 OpOverload = _get(torch._ops, "OpOverload")
 OpOverloadPacket = _get(torch._ops, "OpOverloadPacket")

@@ -73,7 +73,7 @@ def _zero(ckpt):
         optimizer.step()  # each rank steps its share of the parameters, then broadcasts it
     except hf_rtp.RotatedStateError as err:
         return str(err)
-    except NotImplementedError as err:  # torch 2.10 and 2.11 skip RotatedTensor's dispatch: DTensor's own refusal
+    except NotImplementedError as err:  # torch 2.11 skips RotatedTensor's dispatch: DTensor's own refusal
         return str(err)
     return None
 
