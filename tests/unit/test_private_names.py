@@ -247,6 +247,21 @@ def test_a_newer_version_is_warned_about_once_and_still_looked_up_by_name(caplog
     assert "torch>=2.11,<2.16; torch 2.99.0 is newer" in warned[0]
 
 
+def test_the_docs_name_the_gates_ranges():
+    """DESIGN.md ("Private names") and docs/testing.md ("Versions") name torch's and transformers' tested ranges
+    as the gates hold them, and the README their floors: a gate moved alone fails here."""
+    design, testing, readme = (
+        " ".join((ROOT.parent / name).read_text().split()) for name in ("DESIGN.md", "docs/testing.md", "README.md")
+    )
+    floors = {}
+    for library, tested in (("torch", torch_names.TESTED), ("transformers", transformers_names.TESTED)):
+        assert f"(`private/{library}_names.py`, {library}{tested})" in design
+        assert f"{library} `{tested}`" in testing
+        floors[library] = re.fullmatch(r">=([0-9.]+)", tested.split(",")[0]).group(1)
+    assert f"hf_rtp requires torch {floors['torch']} and transformers {floors['transformers']} or newer" in readme
+    assert f"On a machine with PyTorch {floors['torch']} or newer installed" in readme
+
+
 def test_the_gates_start_at_pyproject_lower_bounds():
     """pyproject.toml bounds torch and transformers from below only (a newer release is warned about, not
     downgraded by pip), at the gates' lower bounds: the oldest releases a check ran on (docs/testing.md,
