@@ -163,6 +163,18 @@ def _docs_loop(path: str):
         with hf_rtp.context_parallel(model, batch):
             model(**batch).loss.backward()
 
+    # a training forward with labels builds no logits (the fused loss): unsharding them is refused by name on every
+    # rank, also where one rank alone passes None (the other's gather would wait for it)
+    batch = {"input_ids": ids, "labels": labels}
+    with torch.no_grad(), hf_rtp.context_parallel(model, batch):
+        logits = model(**batch).logits
+        assert logits is None
+        with pytest.raises(hf_rtp.SettingError, match=r"buffer 0 is None.*return_logits=True.*fused_loss=False"):
+            hf_rtp.context_parallel_unshard(model, [logits], [1])
+        mine = None if rank == 0 else torch.zeros(2, len(hf_rtp.model.context.active(model).positions()), VOCAB)
+        with pytest.raises(hf_rtp.SettingError, match=("rank 0 failed: " if rank else "") + "context_parallel_unshard"):
+            hf_rtp.context_parallel_unshard(model, [mine], [1])
+
     unfused, ref = _both(path, fused_loss=False)
     batch = {"input_ids": ids}
     with torch.no_grad(), hf_rtp.context_parallel(unfused, batch):

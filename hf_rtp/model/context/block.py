@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...distributed.agreement import agreed
 from ...distributed.sequence import SequenceLayout
 from ...errors import HfRtpError, SettingError
 from ...private.transformers_names import attention_implementation, set_attention_implementation, supports_sdpa
@@ -174,18 +175,45 @@ def context_parallel(model: nn.Module, batch: dict) -> Iterator[dict]:
         batch.update(original)
 
 
+def _unshard_problem(index: int, buffer, dim: int, local: int | None) -> str | None:
+    """Why `buffer` (the index-th, its sequence along `dim`) cannot be put back together; None when it can. `local`:
+    the positions this rank holds (None on a ring of one, which holds the whole sequence)."""
+    if buffer is None and local is None:
+        return f"buffer {index} is None, not a tensor"
+    if buffer is None:
+        return (
+            f"buffer {index} is None, not a tensor. A training forward (model.train()) with labels on a rotated model "
+            "returns no logits: hf_rtp's fused LM-head loss computes the loss without building the [tokens, vocab] "
+            "logits. For logits, pass return_logits=True to that forward (model(**batch, return_logits=True)), run it "
+            "in eval mode or without labels, or load with hf_rtp.from_pretrained(..., fused_loss=False)"
+        )
+    if not torch.is_tensor(buffer):
+        return f"buffer {index} is a {type(buffer).__name__}, not a tensor"
+    if not -buffer.dim() <= dim < buffer.dim():
+        return f"seq_dims[{index}] is {dim}, but buffer {index} has {buffer.dim()} dims"
+    if local is not None and buffer.shape[dim] != local:
+        where = dim % buffer.dim()
+        return f"buffer {index} has {buffer.shape[dim]} positions along dim {where}, this rank holds {local}"
+    return None
+
+
 def context_parallel_unshard(
     model: nn.Module, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]
 ) -> list[torch.Tensor]:
     """Inside a context-parallel block: each of this rank's tensors (its tokens along `seq_dims`: logits, hidden
     states, per-token losses) as the whole sequence's, in order, on every rank of the ring. torch's
     `context_parallel_unshard(mesh, buffers, seq_dims)` for a rotated model; collective over the ring, every rank
-    must call it with tensors of the same shapes; no gradient flows through it."""
+    must call it with tensors of the same shapes; no gradient flows through it. A buffer one rank cannot put back
+    (None: the logits a training forward with labels does not build) is a SettingError on every rank."""
     run = current()
     inner = rotated_module(model)
     if len(buffers) != len(seq_dims):
         raise SettingError(f"{len(buffers)} buffers but {len(seq_dims)} seq_dims")
     if run is None and inner is not None and state_of(inner).topology.ring.size == 1:
+        for i, (b, d) in enumerate(zip(buffers, seq_dims, strict=True)):
+            problem = _unshard_problem(i, b, d, None)
+            if problem is not None:
+                raise SettingError(f"context_parallel_unshard: {problem}")
         return [b.detach() for b in buffers]  # a ring of one holds the whole sequence (I8)
     if run is None or run.model is not inner:
         raise SettingError(
@@ -194,13 +222,14 @@ def context_parallel_unshard(
         )
     layout, size = run.layout, run.ring.size
     local, widest = layout.local_length(run.rank), max(layout.local_length(r) for r in range(size))
+    with agreed(run.control, SettingError):  # one rank's unusable buffer is every rank's error, not a wait in a gather
+        for i, (b, d) in enumerate(zip(buffers, seq_dims, strict=True)):
+            problem = _unshard_problem(i, b, d, local)
+            if problem is not None:
+                raise SettingError(f"context_parallel_unshard: {problem}")
     wholes = []
     for b, d in zip(buffers, seq_dims, strict=True):
         d %= b.dim()
-        if b.shape[d] != local:
-            raise SettingError(
-                f"context_parallel_unshard: a tensor has {b.shape[d]} positions along dim {d}, this rank holds {local}"
-            )
         part = b.detach().movedim(d, 0)
         padded = part.new_zeros((widest, *part.shape[1:]))
         padded[:local] = part
