@@ -75,7 +75,9 @@ def from_pretrained(
             the rotated LM head without building the [tokens, vocab] logits; its output's `logits` is
             then None (pass `return_logits=True` to the forward to get them). Evaluation, generate and
             forwards without labels always return logits. Families whose head the fused loss cannot
-            reproduce keep the plain loss (logged). False: always the plain loss.
+            reproduce keep the plain loss (logged). False: always the plain loss, transformers' own on the
+            logits. Both compute in float32 whatever the model's dtype, in different orders: a comparison with
+            vanilla in float64 needs False (docs/testing.md, "Comparing with vanilla yourself").
         verify_weights: how ranks prove they read the bytes of one checkpoint. "auto": by the cheapest
             proof that holds per file (one shared file, the Hub's recorded hash, hf_rtp's block digests,
             else one whole-file hash per copy); replicated tensors are always compared in full. "full":
