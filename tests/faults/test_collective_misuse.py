@@ -93,7 +93,7 @@ def test_a_collective_on_a_rotated_tensor_made_by_one_rank_is_named(tmp_path, ca
     assert expected in message, message
 
 
-def _different_calls(ckpt):
+def _different_calls(ckpt, first):
     import hf_rtp
 
     rank = int(os.environ["RANK"])
@@ -101,18 +101,21 @@ def _different_calls(ckpt):
     batch = global_batch(2)[rank]
     start = time.monotonic()
     with pytest.raises(hf_rtp.CollectiveMisuseError) as caught:
-        if rank == 0:  # the fault: rank 0 samples while rank 1 runs an eval forward
+        if rank == 0 and first == "generate":  # the fault: rank 0 samples while rank 1 runs an eval forward
             model.generate(batch, max_new_tokens=2)
+        elif rank == 0:  # the fault: rank 1 skipped sync_grads and went on to its next step's forward
+            hf_rtp.sync_grads(model)
         else:
             model(input_ids=batch)
     return time.monotonic() - start, str(caught.value)
 
 
-def test_ranks_in_different_calls_both_fail_at_once_naming_the_calls(tmp_path):
+@pytest.mark.parametrize("first", ["generate", "sync_grads"])
+def test_ranks_in_different_calls_both_fail_at_once_naming_the_calls(tmp_path, first):
     ckpt = make_tiny("llama", tmp_path / "ckpt")
-    for seconds, message in run_on_ranks(_different_calls, 2, ckpt, env=ENTRY):
+    for seconds, message in run_on_ranks(_different_calls, 2, ckpt, first, env=ENTRY):
         assert seconds < 4, seconds  # no waiting for the timeout: the calls are compared at entry
-        assert "rank 0: generate, rank 1: forward" in message
+        assert f"rank 0: {first}, rank 1: forward" in message
 
 
 def _stall_in_backward(ckpt):
