@@ -228,7 +228,7 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
     rotated = [t for t in _tensors(args) if isinstance(t, RotatedTensor)]
     rotated += [t for t in _tensors(kwargs.values()) if isinstance(t, RotatedTensor)]
     swapped = [(t, type(t)) for t in rotated] if as_dtensor else []
-    if rotated and _writes_a_copy(func, args, kwargs):
+    if any(isinstance(t, RowsCopy) for t in rotated) and _writes_a_copy(func, args, kwargs):
         row_edits.refuse_write(_op_name(func))
     if rotated and _namespace(func) == "c10d":
         raise RotatedStateError(_C10D_REFUSED.format(op=func))

@@ -40,18 +40,18 @@ def make_equal(module: nn.Module, params: list[nn.Parameter], topology) -> None:
             + f"; this rank's: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}). Every rank must build the "
             "same model: add adapters and heads on every rank alike"
         )
-    changed = False
+    changed = []  # on the device: read once, below, in host memory
     with torch.no_grad():
         for group in _by_kind(params):
             flat = flatten_dense_tensors([p.detach() for p in group])
             before = flat.clone()
             dist.broadcast(flat, src=0, group=topology.group)
-            changed |= not torch.equal(flat, before)
+            changed.append((flat != before).any())
             for p, value in zip(group, unflatten_dense_tensors(flat, group), strict=True):
                 p.copy_(value)
     for p in params:
         _CHECKED[p] = None
-    if _any_rank(changed, topology):
+    if _any_rank(torch.stack(changed), topology):
         log.warning(
             f"{len(params)} replicated parameter(s) added after load ({', '.join(names[:3])}"
             f"{', ...' if len(names) > 3 else ''}) differed across ranks (initialised under a different seed on "
@@ -68,22 +68,23 @@ def refuse_different(module: nn.Module, params: list[nn.Parameter], topology) ->
     every rank raises naming those that differ."""
     if not params:
         return
-    flags = torch.zeros(len(params), dtype=torch.int64)
-    index = {id(p): i for i, p in enumerate(params)}
+    differs = []  # per parameter, on the device: one copy to the host below, once in a parameter's life
     with torch.no_grad():
         for group in _by_kind(params):
             flat = flatten_dense_tensors([p.detach() for p in group])
             most = flat.clone()
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=topology.group)
-            for p, mine, top in zip(group, unflatten_dense_tensors(flat, group), unflatten_dense_tensors(most, group),
-                                    strict=True):  # fmt: skip
-                flags[index[id(p)]] = int(not torch.equal(mine, top))
+            for mine, top in zip(unflatten_dense_tensors(flat, group), unflatten_dense_tensors(most, group),
+                                 strict=True):  # fmt: skip
+                differs.append((mine != top).any())
+    order = [p for group in _by_kind(params) for p in group]
+    flags = torch.stack(differs).to(torch.int64).cpu()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.control)
     if int(flags.sum()) == 0:
         for p in params:
             _CHECKED[p] = None
         return
-    names = [n for n, flag in zip(_names(module, params), flags.tolist(), strict=True) if flag]
+    names = [n for n, flag in zip(_names(module, order), flags.tolist(), strict=True) if flag]
     raise RotatedStateError(
         f"sync_grads: {len(names)} replicated parameter(s) hold different values on different ranks "
         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), so their gradients were taken at different "
@@ -94,8 +95,8 @@ def refuse_different(module: nn.Module, params: list[nn.Parameter], topology) ->
     )
 
 
-def _any_rank(flag: bool, topology) -> bool:
-    found = torch.tensor([int(flag)], dtype=torch.int64)
+def _any_rank(flags: torch.Tensor, topology) -> bool:
+    found = flags.to(torch.int64).max().reshape(1).cpu()
     dist.all_reduce(found, op=dist.ReduceOp.MAX, group=topology.control)
     return bool(found.item())
 

@@ -46,6 +46,11 @@ ALLOWED = {
         "the embedding's tokens sorted by id once per forward, their positions at the pieces' boundaries read in one "
         "transfer, where looking every token up in every piece would cost more (tokens x pieces > _FEW)",
     ),
+    "model/equal_copies.py": (
+        None,
+        "replicated parameters compared across ranks once in their life, at the first sync_grads that averages them "
+        "(or made rank 0's at the first forward that sees them): flags copied to the host in one transfer, read there",
+    ),
     "model/fused_head.py loss_function": (
         1,
         "the fused loss gathers the tokens that have labels once per training forward (aten.nonzero), so the LM "
