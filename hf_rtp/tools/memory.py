@@ -154,15 +154,77 @@ def _meta_model(config, dtype: torch.dtype) -> Any:  # a transformers model on m
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+# The names a dtype goes by where transformers users type one: torch's (from_pretrained(dtype="bfloat16"), config.json),
+# torch's aliases (half, float, double) and TrainingArguments' flags (--bf16, --fp16), each the weights' dtype.
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+DTYPE_CHOICES = "auto (the config's dtype, as from_pretrained(dtype='auto')), " + ", ".join(DTYPES)
 
 
-def model_states_bytes(config, dtype: str | torch.dtype = "float32", optimizer: str = "adamw") -> int:
+def _known(text: str) -> torch.dtype | None:
+    return DTYPES.get(text.strip().lower().removeprefix("torch."))
+
+
+def dtype_name(text: str) -> str:
+    """A dtype as a user types it (`DTYPES`' names, "torch.bfloat16", any case) as torch names it: "bf16" is
+    "bfloat16". An argparse type (hf-rtp bench): anything else is refused with the usage, naming the choices."""
+    dtype = _known(text)
+    if dtype is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype hf-rtp knows; one of {', '.join(DTYPES)}")
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_setting(text: str) -> str:
+    """`hf-rtp estimate --dtype`: "auto" or `dtype_name`'s."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if _known(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype hf-rtp knows; one of {DTYPE_CHOICES}")
+    return dtype_name(text)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config=None) -> tuple[torch.dtype, str]:
+    """(the weights' dtype, where it comes from). "auto" is the config's `dtype` (transformers reads an older
+    config's `torch_dtype` into it), as from_pretrained(dtype="auto") takes it; a config that names none is
+    estimated in float32, and the second element says so: from_pretrained would read the weights' dtype then."""
+    if isinstance(dtype, torch.dtype):
+        return dtype, "as asked"
+    if dtype.strip().lower() != "auto":
+        known = _known(dtype)
+        if known is None:
+            raise ValueError(f"dtype {dtype!r} is not a dtype hf-rtp knows; one of {DTYPE_CHOICES}")
+        return known, "as asked"
+    stored = getattr(config, "dtype", None)
+    if stored is None:
+        return torch.float32, "the config names no dtype: pass --dtype if its weights are stored in another"
+    if isinstance(stored, str):
+        stored = _known(stored) or stored
+    if not isinstance(stored, torch.dtype) or not stored.is_floating_point:
+        raise ValueError(f"the config's dtype {stored!r} is not a floating dtype hf-rtp knows: pass --dtype")
+    return stored, "the config's dtype"
+
+
+def _dtype(dtype: str | torch.dtype, config=None) -> torch.dtype:
+    return resolve_dtype(dtype, config)[0]
+
+
+def model_states_bytes(config, dtype: str | torch.dtype = "auto", optimizer: str = "adamw") -> int:
     """Parameters + gradients + optimizer state of the whole model, on one device."""
-    model = _meta_model(config, _dtype(dtype))
+    dtype = _dtype(dtype, config)
+    model = _meta_model(config, dtype)
     params = list(model.parameters())  # tied weights once: parameters() deduplicates
-    return sum(p.numel() for p in params) * _dtype(dtype).itemsize * (2 + OPTIMIZER_STATES[optimizer])
+    return sum(p.numel() for p in params) * dtype.itemsize * (2 + OPTIMIZER_STATES[optimizer])
 
 
 class _FusedAttentionSaves(torch.autograd.Function):
@@ -289,7 +351,7 @@ def estimate(
     *,
     batch: int = 2,
     seq: int = 128,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     optimizer: str = "adamw",
     piece_bytes: int = 16 * 10**6,
     gradient_checkpointing: bool = False,
@@ -317,9 +379,12 @@ def estimate(
     weights, as on a flat ring of K) and an `hsdp` entry is added: FSDP2 sharding over K ranks.
     `autocast`: bf16 autocast over `dtype` weights. What travels then is counted in bf16: RTP's weight
     slots (but an embedding's lookup, float32 as vanilla's), FSDP2's gathered layers (its
-    MixedPrecisionPolicy). Activations are still counted in `dtype`, an overestimate under autocast."""
+    MixedPrecisionPolicy). Activations are still counted in `dtype`, an overestimate under autocast.
+
+    `dtype`: the weights', a torch dtype or a name `DTYPES` holds ("bf16" too); "auto" (the default, as
+    from_pretrained's) is the config's dtype, else float32 (`resolve_dtype`)."""
     terms = device_terms(device)
-    dtype = _dtype(dtype)
+    dtype = _dtype(dtype, config)
     size = dtype.itemsize
     k = OPTIMIZER_STATES[optimizer]
     model = _meta_model(config, dtype)
@@ -523,7 +588,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--dtype", default="float32", help="the weights' dtype, as torch names it (default float32)")
+    p.add_argument(
+        "--dtype",
+        type=dtype_setting,
+        default="auto",
+        help="the weights' dtype: auto (default: the config's dtype, as from_pretrained(dtype='auto') takes it; "
+        "float32 where it names none), bfloat16 (bf16), float16 (fp16, half), float32 (fp32, float) or float64",
+    )
     p.add_argument(
         "--optimizer",
         choices=sorted(OPTIMIZER_STATES),
@@ -582,6 +653,19 @@ def tiled_setting(text: str) -> bool | int | str:
     raise argparse.ArgumentTypeError(f"auto, on, off or a positive number of tokens per tile, not {text!r}")
 
 
+def resolved_dtype(args: argparse.Namespace, config) -> tuple[torch.dtype, str]:
+    """--dtype for `config` (`resolve_dtype`); a config's dtype the estimate cannot take ends the command."""
+    try:
+        return resolve_dtype(args.dtype, config)
+    except ValueError as err:
+        raise SystemExit(f"hf-rtp estimate: {err}") from None
+
+
+def dtype_note(dtype: torch.dtype, source: str) -> str:
+    """How `hf-rtp estimate` names the dtype it counted in, and where it took it from."""
+    return f"{str(dtype).removeprefix('torch.')} ({source})"
+
+
 def device_note(device: str) -> str:
     """The line `hf-rtp estimate` prints about what its figures hold beyond the tensors."""
     terms = device_terms(device)
@@ -606,12 +690,13 @@ def main(argv=None) -> dict[str, float]:
     if args.rtp_size is not None and (args.rtp_size < 1 or args.world_size % args.rtp_size):
         raise SystemExit(f"--rtp-size must divide --world-size {args.world_size}, got {args.rtp_size}")
     config = config_from(args)
+    dtype, source = resolved_dtype(args, config)
     result = estimate(
         config,
         args.world_size,
         batch=args.batch,
         seq=args.seq,
-        dtype=args.dtype,
+        dtype=dtype,
         optimizer=args.optimizer,
         gradient_checkpointing=args.gradient_checkpointing,
         rtp_size=args.rtp_size,
@@ -620,9 +705,9 @@ def main(argv=None) -> dict[str, float]:
         tiled_mlp=args.tiled_mlp,
         checkpoint_offload=args.checkpoint_offload,
     )
-    states = model_states_bytes(config, args.dtype, args.optimizer)
+    states = model_states_bytes(config, dtype, args.optimizer)
     print(
-        f"{config.model_type}: model states {states / 1e9:.3f} GB ({args.dtype}, {args.optimizer}); "
+        f"{config.model_type}: model states {states / 1e9:.3f} GB in {dtype_note(dtype, source)}, {args.optimizer}; "
         f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
         + (f" as {args.world_size // args.rtp_size} replicas of {args.rtp_size}-rank rings" if args.rtp_size else "")
     )
@@ -637,7 +722,7 @@ def main(argv=None) -> dict[str, float]:
         }.get(strategy, "")
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
     if args.checkpoint_offload:
-        model = _meta_model(config, _dtype(args.dtype))
+        model = _meta_model(config, dtype)
         ring = args.rtp_size or args.world_size
         per_node = min(args.gpus_per_node, args.world_size)
         rtp, cp = (checkpointed_inputs(model, args.batch, s) for s in (args.seq, math.ceil(args.seq / ring)))

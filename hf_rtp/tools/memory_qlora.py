@@ -62,7 +62,7 @@ def estimate_qlora(
     lora_rank: int = 16,
     double_quant: bool = True,
     gradient_checkpointing: bool = False,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     compute_dtype: str | torch.dtype | None = None,
     piece_bytes: int = 16 * 10**6,
     device: str = "cpu",
@@ -77,9 +77,10 @@ def estimate_qlora(
     `gradient_checkpointing`): the RTP row with from_pretrained's tiled_mlp and hf_rtp's checkpoint offload, as
     memory.estimate counts them."""
     terms = memory.device_terms(device)
-    compute = memory._dtype(compute_dtype or dtype)
-    model = memory._meta_model(config, memory._dtype(dtype))
-    width = memory._dtype(dtype).itemsize
+    weights = memory._dtype(dtype, config)
+    compute = memory._dtype(compute_dtype, config) if compute_dtype is not None else weights
+    model = memory._meta_model(config, weights)
+    width = weights.itemsize
     n = world_size
     layers = memory.decoder_layers(model)
     linears = [m for layer in layers for m in _quantized(layer)]
@@ -177,6 +178,7 @@ def main(argv=None) -> dict[str, float]:
     if args.checkpoint_offload and not args.gradient_checkpointing:
         raise SystemExit("--checkpoint-offload moves what gradient checkpointing keeps: add --gradient-checkpointing")
     config = memory.config_from(args)
+    dtype, source = memory.resolved_dtype(args, config)
     result = estimate_qlora(
         config,
         args.world_size,
@@ -184,20 +186,21 @@ def main(argv=None) -> dict[str, float]:
         seq=args.seq,
         lora_rank=args.lora_rank,
         gradient_checkpointing=args.gradient_checkpointing,
-        dtype=args.dtype,
+        dtype=dtype,
         device=args.device,
         tiled_mlp=args.tiled_mlp,
         checkpoint_offload=args.checkpoint_offload,
     )
     print(
-        f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW); "
+        f"{config.model_type}: QLoRA (NF4 base, LoRA r={args.lora_rank} on every linear layer, AdamW; unquantized "
+        f"weights in {memory.dtype_note(dtype, source)}); "
         f"batch {args.batch}x{args.seq} per rank, {args.world_size} rank(s)"
     )
     notes = {"fsdp2": "   (FSDP-QLoRA: packed bytes sharded, quantization state whole)", "rtp": "   (fused loss)"}
     for strategy, value in result.items():
         print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + notes.get(strategy, ""))
     if args.checkpoint_offload:
-        inputs = memory.checkpointed_inputs(memory._meta_model(config, memory._dtype(args.dtype)), args.batch, args.seq)
+        inputs = memory.checkpointed_inputs(memory._meta_model(config, dtype), args.batch, args.seq)
         per_node = min(args.gpus_per_node, args.world_size)
         print(f"  checkpoint offload, pinned host memory per node of {per_node} GPUs: {inputs * per_node / 1e9:.1f} GB")
     return result

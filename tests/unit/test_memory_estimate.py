@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_rtp.tools import memory
+from hf_rtp.tools import cli, memory
 from hf_rtp.tools.bench.presets import PRESETS
 
 
@@ -96,6 +96,78 @@ def test_estimate_rejects_bad_input(config_only):
         memory.main([str(config_only), "--world-size", "2", "--optimizer", "lion"])
     with pytest.raises(OSError):
         memory.main([str(config_only / "missing"), "--world-size", "2"])
+
+
+@pytest.fixture
+def bf16_config(tmp_path):
+    """A config.json that says bfloat16, as most checkpoints on the Hub do (`dtype`, or an older `torch_dtype`)."""
+    LlamaConfig(**PRESETS["llama-90m"], dtype="bfloat16").save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_the_estimate_counts_in_the_config_s_dtype_unless_told_and_says_which(bf16_config, key, capsys):
+    path = bf16_config / "config.json"
+    stored = json.loads(path.read_text())
+    stored[key] = stored.pop("dtype")
+    path.write_text(json.dumps(stored))
+    config = memory.load_config(str(bf16_config))
+    argv = [str(bf16_config), "--world-size", "2"]
+    # as from_pretrained(dtype="auto") loads it: bfloat16, half the float32 model states
+    assert memory.main(argv) == memory.estimate(config, 2, dtype=torch.bfloat16, device="cuda")
+    assert "in bfloat16 (the config's dtype)" in capsys.readouterr().out
+    assert memory.model_states_bytes(config) * 2 == memory.model_states_bytes(config, "float32")
+    assert memory.main([*argv, "--dtype", "auto"]) == memory.main(argv)
+    capsys.readouterr()
+    assert memory.main([*argv, "--dtype", "fp32"]) == memory.estimate(config, 2, dtype=torch.float32, device="cuda")
+    assert "in float32 (as asked)" in capsys.readouterr().out
+    # a config naming no dtype: float32, and the output says the config named none
+    memory.main(["llama-90m", "--world-size", "2"])
+    assert "in float32 (the config names no dtype" in capsys.readouterr().out
+    from hf_rtp.tools.memory_qlora import estimate_qlora
+    from hf_rtp.tools.memory_qlora import main as qlora
+
+    four_bit = [*argv, "--load-in-4bit", "--device", "cpu"]
+    assert qlora(four_bit) == estimate_qlora(config, 2, dtype=torch.bfloat16)
+    assert "unquantized weights in bfloat16 (the config's dtype)" in capsys.readouterr().out
+    assert qlora([*four_bit, "--dtype", "float32"]) == estimate_qlora(config, 2, dtype=torch.float32)
+
+
+def test_dtypes_are_taken_as_transformers_users_type_them_or_refused_with_the_usage(config_only, capsys):
+    config = memory.load_config(str(config_only))
+    argv = [str(config_only), "--world-size", "2", "--device", "cpu"]
+    for typed, dtype in {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "BF16": torch.bfloat16,
+        "torch.bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "float": torch.float32,
+    }.items():
+        assert memory.main([*argv, "--dtype", typed]) == memory.estimate(config, 2, dtype=dtype), typed
+        assert memory.estimate(config, 2, dtype=typed) == memory.estimate(config, 2, dtype=dtype), typed
+    capsys.readouterr()
+    for typed in ("int8", "bf", "float8_e4m3fn", "nonsense"):
+        for main in (memory.main, cli.main):
+            with pytest.raises(SystemExit) as refused:
+                main(["estimate"] * (main is cli.main) + [*argv, "--dtype", typed])
+            assert refused.value.code == 2, typed  # argparse's usage error, not an AttributeError
+            err = capsys.readouterr().err
+            assert err.startswith("usage: hf-rtp estimate") and f"argument --dtype: {typed!r} is not a dtype" in err
+            assert "auto (the config's dtype" in err and "bfloat16, bf16, float16, fp16" in err, err
+        with pytest.raises(ValueError, match="is not a dtype hf-rtp knows; one of auto"):
+            memory.estimate(config, 2, dtype=typed)
+    # hf-rtp bench takes the same names, kept as torch names them (its workers' getattr(torch, ...))
+    from hf_rtp.tools.bench import options
+
+    assert options.parser().parse_args(["--dtype", "bf16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit) as refused:
+        options.parser().parse_args(["--dtype", "int8"])
+    assert refused.value.code == 2 and "argument --dtype: 'int8' is not a dtype" in capsys.readouterr().err
 
 
 def test_results_are_json_serialisable(config_only):

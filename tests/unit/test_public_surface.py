@@ -123,7 +123,7 @@ CLI = {
         "--rtp-size": None,
         "--batch": 2,
         "--seq": 128,
-        "--dtype": "float32",
+        "--dtype": "auto",
         "--optimizer": "adamw",
         "--gradient-checkpointing": False,
         "--checkpoint-offload": False,

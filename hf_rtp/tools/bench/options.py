@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..memory import STRATEGIES, tiled_setting
+from ..memory import STRATEGIES, dtype_name, tiled_setting
 from .presets import PRESETS
 
 # This module is `hf-rtp bench`'s options and help, kept apart from run.py: run.py imports the bench's
@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before the measured ones (default 2)")
     p.add_argument("--steps", type=int, default=5, help="measured steps (median reported)")
-    p.add_argument("--dtype", default="float32", help="the weights' dtype, as torch names it (default float32)")
+    p.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default="float32",
+        help="the weights' dtype: float32 (default; fp32, float), bfloat16 (bf16), float16 (fp16, half) or float64",
+    )
     p.add_argument(
         "--device",
         type=device,
