@@ -140,11 +140,39 @@ def load_config(model_or_config: str):
 
 
 def config_from(args: argparse.Namespace):
-    """The config `hf-rtp estimate` is asked about: --model, with --attn-implementation if given."""
-    config = load_config(args.model)
+    """The config `hf-rtp estimate` is asked about: --model, with --attn-implementation if given. A model whose
+    config cannot be read ends the command with one line that says why (SystemExit), not a traceback."""
+    try:
+        config = load_config(args.model)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"hf-rtp estimate: {unreadable(args.model, err)}") from None
     if args.attn_implementation:
         set_attention_implementation(config, args.attn_implementation)
     return config
+
+
+def unreadable(name: str, err: Exception) -> str:
+    """Why `load_config(name)` failed, in one line: a missing path, a Hub id while offline (HF_HUB_OFFLINE), a
+    folder without config.json, or what transformers said (its first line)."""
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    said = next(iter(str(err).strip().splitlines()), "") or type(err).__name__
+    if os.path.isdir(name):
+        return f"{name} is a folder, but its config.json could not be read: {said}"
+    if os.path.exists(name):
+        return f"{name} could not be read as a config.json: {said}"
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return f"{name}: no such folder or file (and not a Hub id or a bench preset)"
+    if huggingface_hub.is_offline_mode():
+        return (
+            f"{name} is not a local folder or a bench preset, and as a Hub id its config.json is not in the local "
+            f"cache while HF_HUB_OFFLINE is set: download it first (hf download {name} config.json) or pass a "
+            "local folder"
+        )
+    return f"{name} is not a local folder or a bench preset; its config.json could not be fetched from the Hub: {said}"
 
 
 def _meta_model(config, dtype: torch.dtype) -> Any:  # a transformers model on meta

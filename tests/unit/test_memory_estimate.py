@@ -3,6 +3,8 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from transformers import LlamaConfig
 
 from hf_rtp.tools import cli, memory
 from hf_rtp.tools.bench.presets import PRESETS
+
+REPO = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 
 
 @pytest.fixture
@@ -94,8 +98,43 @@ def test_estimate_rejects_bad_input(config_only):
         memory.main([str(config_only), "--world-size", "0"])
     with pytest.raises(SystemExit):
         memory.main([str(config_only), "--world-size", "2", "--optimizer", "lion"])
-    with pytest.raises(OSError):
+    with pytest.raises(SystemExit, match="missing: no such folder or file"):
         memory.main([str(config_only / "missing"), "--world-size", "2"])
+
+
+def test_a_model_that_cannot_be_read_ends_the_command_with_one_line_naming_it(config_only, tmp_path, monkeypatch):
+    """A missing path, a Hub id while HF_HUB_OFFLINE is set, a folder without config.json: one line on stderr, exit
+    status 1, no traceback (it was a raw OSError from AutoConfig)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)  # as HF_HUB_OFFLINE=1 sets it at import
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {
+        "./no-such-llama": "./no-such-llama: no such folder or file",
+        str(config_only / "missing"): "missing: no such folder or file",
+        "some-org/some-model": "some-org/some-model is not a local folder or a bench preset, and as a Hub id its "
+        "config.json is not in the local cache while HF_HUB_OFFLINE is set",
+        str(empty): f"{empty} is a folder, but its config.json could not be read",
+    }
+    for model, said in cases.items():
+        for main in (memory.main, cli.main):
+            argv = ["estimate"] * (main is cli.main) + [model, "--world-size", "2"]
+            with pytest.raises(SystemExit) as ended:
+                main(argv)
+            message = str(ended.value.code)
+            assert message.startswith("hf-rtp estimate: ") and said in message, (model, message)
+            assert "\n" not in message and "Traceback" not in message
+    # as a command: exit status 1 and the one line on stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_rtp", "estimate", "some-org/some-model", "--world-size", "2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO},
+        timeout=300,
+    )
+    assert done.returncode == 1 and done.stdout == "", done
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "HF_HUB_OFFLINE" in done.stderr, done.stderr
 
 
 @pytest.fixture
