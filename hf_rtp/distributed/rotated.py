@@ -48,7 +48,9 @@ _PICKLE_REFUSED = (
     "refusing to pickle a rotated tensor: each rank holds other rows (and other data), so a pickled state "
     "dict written by one rank would silently hold that rank's slice. Save weights with "
     "model.save_pretrained(dir) on every rank, training state with hf_rtp.save_training_state(dir, model, "
-    "optimizer, ...), or train through accelerator.save_state / hf_rtp.Trainer, which hf_rtp makes collective."
+    "optimizer, ...), or save through hf_rtp.Accelerator().save_state or transformers' Trainer (its checkpoints "
+    "are collective once the model is loaded with hf_rtp.from_pretrained; hf_rtp.attach_trainer where it does not "
+    "place the model itself)."
 )
 
 
