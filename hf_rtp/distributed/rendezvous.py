@@ -33,6 +33,7 @@ _CALLS = {
         "redistribute",
         "context_parallel",
         "initialize_lora_eva_weights",
+        "PeftModel.save_pretrained",
         "generate's step",
         "sync_grads",
         "a forward's new replicated parameters",

@@ -29,6 +29,10 @@ forward (`index_copy`, then `F.embedding` / `F.linear`). The stand-ins for its `
 rotated layer and then write the trainable rows' lookups (or logits) over its output: the same values,
 with no whole copy.
 
+And `peft.PeftModel.save_pretrained`, where what PEFT writes holds rotated tensors (a `modules_to_save` copy of a
+rotated head or embedding): PEFT read their storage to write them, refused on a rank that holds only its rows; the
+stand-in makes that save collective (`_stand_in_for_save_pretrained`).
+
 Merging DoRA or trainable tokens into a rotated layer (`merge_and_unload`) is refused: PEFT merges with
 whole-matrix arithmetic on the rotated weight, which gave wrong weights without an error. So is merging any
 other tuner but LoHa and LoKr (IA3's, OFT's and BOFT's merges were wrong; the rest never compared). Plain LoRA,
@@ -67,8 +71,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import log
+from ..distributed.agreement import agreed
 from ..distributed.rotated import RotatedTensor, rotated_rows, rows_of, whole
-from ..errors import CollectiveMisuseError, RotatedStateError
+from ..errors import CheckpointError, CollectiveMisuseError, RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local
 from ..layers.linear4bit import FrozenQuantizedLinear
@@ -155,6 +160,7 @@ def make_peft_use_global_features() -> None:
     _stand_in_for_dora_dequantize()
     _stand_in_for_dora_forward()
     _stand_in_for_trainable_tokens()
+    _stand_in_for_save_pretrained()
     _refuse_inits_that_read_the_base()
     _refuse_merges_not_compared()
     _stand_in_for_eva()
@@ -248,22 +254,114 @@ def adapter_state_dict(model) -> dict | None:
     would write (the trainable copies `modules_to_save` makes of a rotated embedding or head, or any other
     rotated tensor PEFT selects) gathered whole, in one order on every rank; None when it would write
     no rotated tensor, so PEFT's own save is right as it is. Pass it to `model.save_pretrained(dir,
-    state_dict=...)` on the main process."""
-    from peft.utils import get_peft_model_state_dict
-
+    state_dict=...)` on the main process; or call `model.save_pretrained(dir)` on every rank, which gathers them
+    itself (`_stand_in_for_save_pretrained`)."""
     state = model.state_dict()
-    written = get_peft_model_state_dict(model, state_dict=state)  # PEFT's own selection, DTensors untouched
-    by_id = {id(t): name for name, t in state.items()}
-    rotated = sorted((name, t) for name, t in written.items() if isinstance(t, DTensor))
+    rotated = _rotated_written(model, state, list(model.peft_config), "auto")
     if not rotated:
         return None
-    missing = [name for name, t in rotated if id(t) not in by_id]
-    if missing:
-        raise RotatedStateError(f"PEFT writes rotated tensors hf_rtp cannot trace back to the model: {missing[:4]}")
+    return _gathered(state, rotated)
+
+
+def _rotated_written(model, state: dict, adapters: list[str], save_embedding_layers) -> list[str]:
+    """The names in `state` (a state dict of `model`, a PeftModel) of the rotated tensors PEFT's save_pretrained
+    would write for `adapters`, sorted: the same list on every rank, computed without communicating. PEFT's own
+    selection (`get_peft_model_state_dict`) picks them, DTensors untouched; a rotated tensor it selects that is no
+    value of `state` is refused, on every rank alike."""
+    from peft.utils import get_peft_model_state_dict
+
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        by_id.setdefault(id(tensor), []).append(name)
+    names: set[str] = set()
+    for adapter in adapters:
+        written = get_peft_model_state_dict(
+            model, state_dict=state, adapter_name=adapter, save_embedding_layers=save_embedding_layers
+        )
+        rotated = sorted(name for name, t in written.items() if isinstance(t, DTensor))
+        missing = [name for name in rotated if id(written[name]) not in by_id]
+        if missing:
+            raise RotatedStateError(f"PEFT writes rotated tensors hf_rtp cannot trace back to the model: {missing[:4]}")
+        names.update(n for name in rotated for n in by_id[id(written[name])])
+    return sorted(names)
+
+
+def _gathered(state: dict, names: list[str]) -> dict:
+    """Collective: `state` with the tensors under `names` gathered whole (each tensor once, in `names`' order,
+    which must be every rank's), aliases kept aliases as in vanilla's state dict."""
+    state = dict(state)
+    whole_of: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for _, tensor in rotated:
-            state[by_id[id(tensor)]] = tensor.full_tensor()
+        for name in names:
+            tensor = state[name]
+            if id(tensor) not in whole_of:
+                whole_of[id(tensor)] = tensor.full_tensor()
+            state[name] = whole_of[id(tensor)]
     return state
+
+
+_SAVE_CALL = "PeftModel.save_pretrained"
+
+
+def _stand_in_for_save_pretrained() -> None:
+    """`peft.PeftModel.save_pretrained` on a model hf_rtp loaded, where what PEFT writes holds rotated tensors (the
+    trainable copy `modules_to_save` makes of a rotated head or embedding; the embeddings with save_embedding_layers):
+    PEFT read their storage to write them, and each rank holds only its rows, so the save was refused after every
+    rank had written the folder's README.md. Here it is collective, as the base model's save_pretrained: every rank
+    calls it, they meet (a rank that does not is named within the entry timeout), gather those tensors whole, and
+    the writer alone (ring rank 0 of the first replica) runs PEFT's save with them, as vanilla PEFT writes the same
+    adapter; the other ranks run it with is_main_process=False (vanilla's: nothing written), and a failure on the
+    writer is an error on every rank. `is_main_process=False` on every rank writes nothing, as in vanilla. Where
+    PEFT writes no rotated tensor (adapters alone: replicated; or a `state_dict=` gathered already), PEFT's own
+    save runs unchanged, on whichever ranks call it."""
+    from peft import PeftModel
+
+    original = PeftModel.save_pretrained
+    if getattr(original, _MARK, None) is not None:
+        return
+    signature = inspect.signature(original)
+    extra = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    if extra is None or not {"selected_adapters", "save_embedding_layers", "is_main_process"} <= set(
+        signature.parameters
+    ):
+        return  # another PEFT's save: left as it is (a rotated tensor in it is refused when PEFT reads its storage)
+
+    @functools.wraps(original)
+    def save_pretrained(self, *args, **kwargs):
+        from ..model.state import state_of
+
+        state = state_of(self, required=False)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        adapters = arguments["selected_adapters"]
+        adapters = list(self.peft_config) if adapters is None else adapters
+        if state is None or any(a not in self.peft_config for a in adapters):
+            return original(self, *args, **kwargs)  # not hf_rtp's, or PEFT's own error for an unknown adapter
+        given = arguments[extra].get("state_dict")
+        whole_state = self.state_dict() if given is None else given
+        rotated = _rotated_written(self, whole_state, adapters, arguments["save_embedding_layers"])
+        if not rotated:
+            return original(self, *args, **kwargs)
+        topology = state.topology
+        chosen = zlib.crc32("\n".join(rotated).encode())
+        everyone = topology.enter(_SAVE_CALL, payload=[int(bool(arguments["is_main_process"])), len(rotated), chosen])
+        if len({tuple(row[1:3]) for row in everyone}) > 1:  # the same rows on every rank: all raise alike
+            raise RotatedStateError(
+                f"{_SAVE_CALL}: ranks would write different rotated tensors ({len(rotated)} on this rank: "
+                f"{rotated[:4]}): every rank must save the same adapters of the same model, with the same "
+                "selected_adapters and save_embedding_layers"
+            )
+        writes = any(row[0] for row in everyone)  # no rank the main process: vanilla writes nothing
+        if writes:
+            arguments[extra] = {**arguments[extra], "state_dict": _gathered(whole_state, rotated)}
+        arguments["is_main_process"] = writes and topology.is_writer
+        with agreed(topology.control, CheckpointError):  # the writer's failure is every rank's error
+            original(*bound.args, **bound.kwargs)
+        return None
+
+    setattr(save_pretrained, _MARK, f"peft.{PeftModel.__qualname__}.save_pretrained")
+    PeftModel.save_pretrained = save_pretrained  # the stand-in, see its docstring
 
 
 def _stand_in_for_trainable_tokens() -> None:
