@@ -121,8 +121,9 @@ class RotationMesh(DeviceMesh):
 
 _WRITE_REFUSED = (
     "refusing to write a rotated tensor as a whole tensor: this rank holds only its own rows. Save weights with "
-    "model.save_pretrained(dir) on every rank (or hf_rtp.Accelerator().save_model), training state with "
-    "hf_rtp.Accelerator().save_state or hf_rtp.save_training_state(dir, model, optimizer, ...)."
+    "model.save_pretrained(dir) on every rank (a PEFT model's too; or hf_rtp.Accelerator().save_model), training "
+    "state with hf_rtp.Accelerator().save_state or hf_rtp.save_training_state(dir, model, optimizer, ...); for a PEFT "
+    "adapter's state dict with its rotated tensors whole, hf_rtp.adapter_state_dict(model) on every rank."
 )
 
 

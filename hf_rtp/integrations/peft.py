@@ -423,8 +423,8 @@ def _stand_in_for_trainable_tokens() -> None:
 
 _MERGE_REFUSED = (
     "merging {what} into a rotated layer is not supported: PEFT merges with whole-matrix arithmetic that a rotated "
-    "weight does not hold. Save the adapter (Trainer.save_model, or hf_rtp.adapter_state_dict(model) on every rank "
-    "and model.save_pretrained(dir, state_dict=...) on the main process), then merge it in vanilla: "
+    "weight does not hold. Save the adapter (Trainer.save_model, or model.save_pretrained(dir) on every rank), then "
+    "merge it in vanilla: "
     "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), dir).merge_and_unload()"
 )
 
