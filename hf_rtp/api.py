@@ -16,7 +16,7 @@ from .errors import KeywordError
 from .integrations import trainer as trainer_integration
 from .model import offload
 from .model import tiled_mlp as tiled_mlp_module
-from .model.fused_head import install_forward
+from .model.forward import install_forward
 from .model.heads import is_causal_lm, model_class
 from .model.state import RTPState
 from .settings import DEFAULT_PIECE_SIZE, Settings

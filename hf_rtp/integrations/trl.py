@@ -45,6 +45,7 @@ from ..layers import RotatedLinear
 from ..layers.common import local
 from ..layers.fused_loss import EXTRAS
 from ..model import context
+from ..model.forward import divisor
 from ..model.fused_head import read_head, token_stats
 from ..model.state import is_rotated, state_of
 from ..private.transformers_names import attention_implementation
@@ -366,9 +367,8 @@ def install(model, outputs: tuple[str, ...], temperature: float = 1.0, cast_lm_h
             labels = shift_labels
         mask, found = per_token(self, hidden, labels.to(hidden.device))
         log_probs = found.pop("log_probs")
-        if num_items_in_batch is None:  # the mean over label tokens: the whole sequence's under context parallelism
-            num_items_in_batch = (mask.sum() if facts is None else facts.labels.to(mask.device)).clamp(min=1)
-        loss = -log_probs.sum() / num_items_in_batch
+        # the mean over label tokens (the whole sequence's under context parallelism), at least 1 as TRL's
+        loss = -log_probs.sum() / divisor(num_items_in_batch, facts, mask, at_least=1, device=mask.device)
         if run is not None:  # its loss has the one meaning of a forward in a block (model/context/loss.py)
             loss = context.sequence_loss(run, loss)
         aux_loss: Any = None  # transformers' load_balancing_loss_func: a tensor, or 0 without router logits

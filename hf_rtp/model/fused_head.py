@@ -7,32 +7,26 @@ then `loss = self.loss_function(logits, labels, ...)` with transformers' ForCaus
 else the forward does (the backbone, MoE's aux loss added to the loss, the output class) stays
 vanilla's own code. Any other head is left on the plain path, with a log line saying why.
 
-The mechanism: for the length of one forward, the head returns an empty [batch, seq, 0] tensor and
-keeps its input; the model's own transforms run on that empty tensor; its `loss_function` (replaced
-on this model) computes the loss from the kept hidden states through the ring.
+This module reads a head (`read_head`) and computes its losses through the ring (`token_losses`, and
+`token_stats` for TRL's fused head); how a forward reaches them, the head holding its input while the model's
+own transforms run on an empty tensor, is model/forward.py's.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import operator
 import textwrap
-import types
 
-import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .. import log
 from ..layers import RotatedLinear
 from ..layers.common import cast_for_matmul, local
 from ..layers.fused_loss import HeadTransform, fused_cross_entropy, fused_token_stats
 from ..private.torch_names import assert_async
 from ..private.transformers_names import own_loss_function
-from . import context
 
 # The transforms vanilla applies between the head and the loss, by their exact code (`logits` stands
 # for whatever the forward calls its logits): field of HeadTransform -> attribute read on the model.
@@ -132,18 +126,6 @@ def read_head(model: PreTrainedModel) -> tuple[list[tuple[str, str]], str | None
     return transforms, None
 
 
-class _Capture:
-    """The head's input during one fused forward."""
-
-    def __init__(self):
-        self.hidden: torch.Tensor | None = None
-        self.active = False
-
-    def hold(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.hidden = hidden
-        return cast_for_matmul(hidden).new_empty(*hidden.shape[:-1], 0)
-
-
 def token_losses(model, hidden, targets, vocab_size, transforms, ignore_index=-100):
     """Per-token -log p(target) of `hidden` [tokens, hidden] through `model`'s rotated head and its
     `transforms` (from `read_head`)."""
@@ -164,102 +146,3 @@ def _head_inputs(model, hidden, targets, vocab_size, transforms, ignore_index, *
         ((targets >= 0) & (targets < vocab_size)).all(), f"labels must be {ignore_index} or lie in [0, {vocab_size})"
     )
     return cast_for_matmul(hidden), local(head.weight), local(head.bias), targets, head.ring, head.layout, transform
-
-
-def install_forward(model: PreTrainedModel, fused: bool) -> bool:
-    """Give `model` hf_rtp's forward: it takes `return_logits=`, and with `fused` it routes the loss of
-    training forwards with labels through the fused head when the family qualifies (see the module
-    docstring). Returns whether the fused loss is on."""
-    transforms, reason = read_head(model) if fused else ([], None)
-    if fused and reason is not None:
-        log.warning(
-            f"{type(model).__name__}: the fused LM-head loss is off, because {reason}; "
-            "the loss is computed from full logits"
-        )
-    fused = fused and reason is None
-    capture = _Capture()
-    head_name = next((n for n, m in model.named_children() if m is model.get_output_embeddings()), None)
-
-    def loss_function(
-        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
-    ):
-        if not capture.active:
-            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
-        hidden, capture.hidden, capture.active = capture.hidden, None, False
-        assert hidden is not None  # the head's forward ran in this fused forward and held its input
-        if shift_labels is None:
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        targets = shift_labels.reshape(-1).to(hidden.device)
-        keep = targets != ignore_index
-        # The forward's one read on the host (on CUDA, a wait for the device): the kept tokens' rows, once, so
-        # the head's walks skip the ignored ones (a prompt's). Selected by index, the gradient goes back by index
-        # too; a boolean mask would read again for each tensor it selects and in backward.
-        kept = keep.nonzero().squeeze(1)
-        per_token = token_losses(
-            model,
-            hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept),
-            targets.index_select(0, kept),
-            vocab_size,
-            transforms,
-            ignore_index,
-        )
-        if num_items_in_batch is None:
-            return per_token.sum() / keep.sum()  # vanilla's mean over kept tokens (nan when there are none)
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(per_token.device)
-        return per_token.sum() / num_items_in_batch
-
-    positional = [  # the forward's parameters a caller may pass by position (input_ids first), for the block's checks
-        name
-        for name, p in inspect.signature(type(model).forward).parameters.items()
-        if name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-
-    @functools.wraps(type(model).forward)  # generate and Trainer read the model's signature through it
-    def forward(self, *args, return_logits: bool = False, **kwargs):
-        run = context.active(self)
-        if run is not None:  # one sequence across the ring: checked inputs, the sequence's loss
-            if len(args) > len(positional):
-                raise TypeError(f"{type(self).__name__}.forward takes {len(positional)} positional arguments")
-            kwargs = {**dict(zip(positional, args, strict=False)), **kwargs}  # by position too: the checks see them
-            return context.forward(run, lambda **kw: routed(self, return_logits=return_logits, **kw), kwargs)
-        return routed(self, *args, return_logits=return_logits, **kwargs)
-
-    def routed(self, *args, return_logits: bool = False, **kwargs):
-        plain = type(self).forward
-        if (
-            not fused
-            or return_logits
-            or not self.training
-            or kwargs.get("labels") is None
-            or kwargs.get("logits_to_keep")
-        ):
-            return plain(self, *args, **kwargs)
-        assert head_name is not None  # read_head found the head among the model's children
-        head = getattr(self, head_name)
-        # replaced since loading: a PEFT adapter on the head, a user's own loss_function
-        if not isinstance(head, RotatedLinear) or own_loss_function(self) is not loss_function:
-            return plain(self, *args, **kwargs)
-        capture.active = True
-        head.forward = capture.hold  # type: ignore[method-assign,assignment]  # this forward only; deleted below
-        try:
-            out = plain(self, *args, **kwargs)
-        finally:
-            del head.forward
-            missed, capture.active, capture.hidden = capture.active, False, None
-        if missed:
-            raise RuntimeError(f"{type(self).__name__}.forward did not compute its loss from the LM head's output")
-        return _without_logits(out)
-
-    if fused:
-        loss_function.hf_rtp_fused = True  # type: ignore[attr-defined]  # ForCausalLMLoss through the ring: read_head accepts it
-        model.loss_function = loss_function
-    model.forward = types.MethodType(forward, model)
-    return fused
-
-
-def _without_logits(out):
-    """The output with logits None (training forwards with labels never build them)."""
-    if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
-        return (out[0], None, *out[2:])
-    return type(out)(**{k: v for k, v in out.items() if k != "logits"})

@@ -51,7 +51,7 @@ ALLOWED = {
         "replicated parameters compared across ranks once in their life, at the first sync_grads that averages them "
         "(or made rank 0's at the first forward that sees them): flags copied to the host in one transfer, read there",
     ),
-    "model/fused_head.py loss_function": (
+    "model/forward.py loss": (
         1,
         "the fused loss gathers the tokens that have labels once per training forward (aten.nonzero), so the LM "
         "head's walks skip the ignored ones",
@@ -213,7 +213,7 @@ def test_a_training_step_and_a_decode_step_wait_for_the_device_no_more_than_vani
     for rank, found in enumerate(run_on_ranks(_step_and_decode, 2, ckpt)):
         assert not _unexpected(found, {}), (rank, _unexpected(found, {}))
         # the training forward's one allowed read is there: the fused loss ran
-        assert any(place.startswith("model/fused_head.py") for _, _, place in found["train fused_loss=True"]), rank
+        assert any(place.startswith("model/forward.py") for _, _, place in found["train fused_loss=True"]), rank
 
 
 def _step_moving_tokens(ckpt):

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_rtp.distributed.ring import Ring
 from hf_rtp.layers import RotatedLinear, fused_loss
-from hf_rtp.model.fused_head import install_forward, read_head
+from hf_rtp.model.forward import install_forward
+from hf_rtp.model.fused_head import read_head
 
 FLOAT32_NOISE = 2e-6
 

@@ -23,7 +23,7 @@ sequence, soft-capping, attention sinks, attention dropout, implementations othe
 from .block import check_cp_size, context_parallel, context_parallel_unshard, running, sharded
 from .inputs import check
 from .interface import attended
-from .loss import forward, sequence_loss, shares, whole
+from .loss import sequence_loss, shares, whole
 from .run import ATTENTION, ContextRun, Facts, active, refuse_inside
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "check_cp_size",
     "context_parallel",
     "context_parallel_unshard",
-    "forward",
     "refuse_inside",
     "running",
     "sequence_loss",

@@ -4,6 +4,8 @@ A forward with labels returns, on every rank of the ring, what vanilla's forward
 on the whole sequence: the sum of the label tokens' losses divided by `num_items_in_batch` when the caller passes
 it (transformers' way to normalise over accumulated micro-batches), else by the sequence's label count (vanilla's
 mean). Each rank computes its tokens' share with that one divisor, and the shares are summed over the ring.
+model/forward.py gives a forward in a block that divisor (`divisor`) and returns `sequence_loss` below; so does TRL's
+fused forward (integrations/trl.py).
 
 The sum's backward is a sum too: each rank's share gets the ring's upstream gradient, N times its own, so after
 the data-parallel mean over ranks (DDP, accelerate, `hf_rtp.sync_grads`) every gradient is the whole sequence's.
@@ -20,31 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .inputs import check
-from .interface import attended
 from .run import ContextRun
-
-
-def forward(run: ContextRun, plain, kwargs: dict):
-    """The model's forward inside a block: inputs checked on every rank together, the loss the sequence's.
-
-    It keeps no cache (use_cache=False, as TRL's trainers pass): transformers separates packed sequences
-    (position_ids that restart) only when a forward has no cache, and a training forward in a block needs none."""
-    facts = check(run, kwargs)
-    kwargs = {**kwargs, "use_cache": False}
-    before = run.calls
-    if kwargs.get("labels") is None:  # no loss asked for: each rank's logits of its own tokens
-        out = plain(**kwargs)
-        attended(run, before)
-        return out
-    divisor = kwargs.get("num_items_in_batch")
-    out = plain(**{**kwargs, "num_items_in_batch": facts.labels if divisor is None else divisor})
-    attended(run, before)
-    loss = sequence_loss(run, out[0] if isinstance(out, tuple) else out.loss)
-    if isinstance(out, tuple):
-        return (loss, *out[1:])
-    out.loss = loss
-    return out
 
 
 def sequence_loss(run: ContextRun, share: torch.Tensor) -> torch.Tensor:

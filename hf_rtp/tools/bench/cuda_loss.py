@@ -18,7 +18,7 @@ import torch
 
 from ...distributed.ring import Ring
 from ...layers import RotatedLinear
-from ...model.fused_head import install_forward
+from ...model.forward import install_forward
 
 # Llama-3.2-1B's head and width (vocabulary 128256, hidden 2048, tied) on two layers: the head and
 # its loss are what this measures; more layers only add the same backbone to both sides.
