@@ -30,7 +30,7 @@ from .model.state import is_rotated, state_of
 from .model.whole import whole_model
 from .plans import Plan, register
 from .settings import collective_timeout
-from .state import load_training_state, save_training_state
+from .training_state import load_training_state, save_training_state
 from .version import __version__  # noqa: F401  (hf_rtp.__version__)
 
 __all__ = [

@@ -1,5 +1,6 @@
 """The protocol every hf_rtp save into a user's folder follows, whatever it writes: a model's weights among the
-user's files (`commit.FilesInFolder`) or a training state that is a folder of its own (`state.folder.StateFolder`).
+user's files (`commit.FilesInFolder`) or a training state that is a folder of its own
+(`training_state.folder.StateFolder`).
 
 A save's writer takes the steps in this order: `lock`, `stage` (what a crash interrupted is finished first, and a
 fresh staging folder marked as this save's own is made), writes into the staging folder, `commit` (the staged files

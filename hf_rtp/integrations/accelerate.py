@@ -39,7 +39,7 @@ from ..private.accelerate_names import (
     state_exists,
 )
 from ..settings import collective_timeout
-from ..state import load_training_state, save_training_state
+from ..training_state import load_training_state, save_training_state
 
 STATE_DIR = "hf_rtp_state_{}"
 

@@ -40,7 +40,7 @@ from ..log import warning
 from ..model import context
 from ..model.state import rotated_module, state_of
 from ..private.transformers_names import TESTED, check_trainer_methods_version
-from ..state import load_training_state, save_training_state
+from ..training_state import load_training_state, save_training_state
 from . import trl
 from .accelerate import adopt_for_trainer, check_processes
 from .peft import adapter_state_dict

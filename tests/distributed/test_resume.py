@@ -11,7 +11,7 @@ from support.spawn import run_on_ranks
 def _train_and_save(ckpt, state_dir, reference):
     from torch.distributed.tensor import DTensor
 
-    from hf_rtp.state import save_training_state
+    from hf_rtp.training_state import save_training_state
 
     rank = int(os.environ["RANK"])
     model, optimizer = trained_one_step(ckpt)
@@ -30,7 +30,7 @@ def _load_elsewhere(ckpt, state_dir, reference):
 
     import hf_rtp
     from hf_rtp.distributed.sharding import chunk_rows
-    from hf_rtp.state import load_training_state
+    from hf_rtp.training_state import load_training_state
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
@@ -60,7 +60,7 @@ def test_interrupted_save_is_refused_with_a_clear_error(tmp_path):
     import pytest
 
     import hf_rtp
-    from hf_rtp.state import load_training_state
+    from hf_rtp.training_state import load_training_state
 
     partial = tmp_path / "checkpoint-6.partial"
     partial.mkdir()

@@ -101,7 +101,7 @@ def test_two_replicas_of_two_rank_rings_train_save_like_vanilla_ddp(tmp_path, ar
 
 
 def _save_at_2x2(ckpt, state_dir):
-    from hf_rtp.state import save_training_state
+    from hf_rtp.training_state import save_training_state
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model, ref, _ = _load(ckpt, "rtp_size=2")
@@ -113,7 +113,7 @@ def _save_at_2x2(ckpt, state_dir):
 
 
 def _resume_and_step(ckpt, state_dir, rtp_size):
-    from hf_rtp.state import load_training_state
+    from hf_rtp.training_state import load_training_state
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model, ref, topology = _load(ckpt, f"rtp_size={rtp_size}")

@@ -161,8 +161,8 @@ def test_design_md_names_every_module_of_the_tree():
                 missing.append(f"{prefix}.py is in DESIGN.md but not in the tree")
     assert missing == []
     assert [name for name, _ in LAYERS] == [
-        "base", "distributed", "folders", "layers", "plans", "model", "checkpoint", "state", "integrations", "api",
-        "tools",
+        "base", "distributed", "folders", "layers", "plans", "model", "checkpoint", "training_state", "integrations",
+        "api", "tools",
     ]  # fmt: skip
 
 

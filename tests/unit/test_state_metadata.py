@@ -1,4 +1,4 @@
-"""training_state.json as a typed, versioned record (hf_rtp/state/metadata.py): what the current format writes
+"""training_state.json as a typed, versioned record (hf_rtp/training_state/metadata.py): what the current format writes
 reads back the same, byte for byte; format 1 (extra merged among hf_rtp's keys) is still read; a newer format
 and a field of the wrong type are CheckpointErrors that name them."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hf_rtp.errors import CheckpointError
-from hf_rtp.state.metadata import FORMAT, FORMATS, Identity, TrainingStateMetadata, read_state, write_state
+from hf_rtp.training_state.metadata import FORMAT, FORMATS, Identity, TrainingStateMetadata, read_state, write_state
 
 # training_state.json as hf_rtp wrote it before the record was typed (one rank, AdamW, a StepLR; rng shortened)
 WRITTEN = (

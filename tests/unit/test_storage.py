@@ -9,8 +9,8 @@ import pytest
 
 from hf_rtp.folders.commit import FilesInFolder
 from hf_rtp.folders.storage import Storage
-from hf_rtp.state.folder import StateFolder
-from hf_rtp.state.metadata import STATE_FILE
+from hf_rtp.training_state.folder import StateFolder
+from hf_rtp.training_state.metadata import STATE_FILE
 
 _STEPS = [n for n, v in vars(Storage).items() if inspect.isfunction(v) and not n.startswith("_")]
 

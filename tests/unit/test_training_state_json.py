@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_rtp.errors import CheckpointError
-from hf_rtp.state.tensor_json import from_json as _from_json
-from hf_rtp.state.tensor_json import to_json as _to_json
+from hf_rtp.training_state.tensor_json import from_json as _from_json
+from hf_rtp.training_state.tensor_json import to_json as _to_json
 
 
 def test_tensors_come_back_as_tensors_of_their_dtype_and_value():

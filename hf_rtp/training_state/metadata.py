@@ -57,7 +57,7 @@ class Identity:
 @dataclass(frozen=True)
 class TrainingStateMetadata:
     """The contents of training_state.json. `param_groups` and `scheduler` are as JSON holds them, tensors
-    encoded (state/tensor_json.py): the load decodes them inside the ranks' agreement."""
+    encoded (training_state/tensor_json.py): the load decodes them inside the ranks' agreement."""
 
     param_groups: list[dict[str, Any]]  # the optimizer's groups, `params` naming each parameter
     rng: list[dict[str, Any]]  # per rank of the save: {"cpu": the CPU generator's bytes, "cuda": ... or absent}
