@@ -8,7 +8,7 @@ the group's backend wants (distributed/transport.py) and watched where waits do 
 
 Beside it, each alone: distributed/pool.py (the slots foreign pieces land in, shared by every layer:
 DESIGN.md I3), distributed/token_walk.py (ops that move the tokens instead of the weights: their message
-and mechanism, on this file's hops) and distributed/traffic.py (which of the two an op does).
+and mechanism, on this file's hops) and distributed/weights_or_tokens.py (which of the two an op does).
 
 A chunk larger than `piece_bytes` (16 MB by default) walks the ring as several pieces, one full
 walk per piece (rows cut again by the torch.chunk rule). The pool is then sized by the largest
@@ -41,9 +41,9 @@ from .sharding import ChunkLayout
 from .token_walk import OUTPUT_TAG, TOKEN_GRAD_TAG, TOKEN_TAG, Bundle, Rows
 from .token_walk import token_walk as _token_walk
 from .token_walk import visit_walk as _visit_walk
-from .traffic import Traffic
 from .transport import Transport, transport_for
 from .watch import Watch
+from .weights_or_tokens import Traffic
 
 _CPU = torch.device("cpu")
 _WEIGHT_TAG = 0

@@ -2,7 +2,7 @@
 
 Each rank applies its own chunk to every rank's tokens, and the outputs travel home in an accumulator, as the
 weights' gradients do in backward (distributed/ring.py). Which ops walk this way is decided per call by
-distributed/traffic.py, from numbers every rank agreed, so every rank walks the same way.
+distributed/weights_or_tokens.py, from numbers every rank agreed, so every rank walks the same way.
 
 The message: one per hop (gloo pays per message), carved from the ring's weight slots (a forward that moves
 tokens moves no weights): each token tensor padded to the agreed `bound` rows, then [the largest count seen so

@@ -2,7 +2,7 @@
 
 Ranges are disjoint, so "sum" is a masked write. Backward needs no weights, only the travelling
 gradient accumulator, so the embedding's weights do not rotate a second time. Where the forward moved the
-tokens instead (few tokens: distributed/traffic.py), backward moves them too, with their output gradients:
+tokens instead (few tokens: distributed/weights_or_tokens.py), backward moves them too, with their output gradients:
 each rank adds up its own chunk's gradient from every rank's tokens as they visit (Ring.visit_walk), N-1
 hops of the tokens' gradients in place of N-1 hops of the chunk's accumulator, in pieces.
 

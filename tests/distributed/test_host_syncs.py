@@ -314,7 +314,7 @@ def _walks(wide: int, rows: int):
     forward's start agreed on: how often it walked, what it read on the host, and its distance from vanilla's."""
     from hf_rtp.distributed.sharding import ChunkLayout
     from hf_rtp.distributed.topology import setup
-    from hf_rtp.distributed.traffic import Traffic
+    from hf_rtp.distributed.weights_or_tokens import Traffic
     from hf_rtp.errors import CollectiveMisuseError
     from hf_rtp.layers.common import local, rotate_forward
     from hf_rtp.model.install import rotated_parameter

@@ -1,4 +1,4 @@
-"""Where a training forward moves the tokens instead of the weights (few tokens: distributed/traffic.py), the
+"""Where a training forward moves the tokens instead of the weights (few tokens: distributed/weights_or_tokens.py), the
 embedding's and the fused LM head's backward move the tokens too: the embedding's tokens visit every rank with
 their output gradients, each rank adding up its own chunk's gradient (Ring.visit_walk, N-1 hops); the head's
 travel with their log-sum-exps and loss gradients, and their hidden states' gradient comes home (N hops). No

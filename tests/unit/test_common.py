@@ -12,7 +12,7 @@ from support.spawn import run_on_ranks
 
 from hf_rtp.distributed.ring import Ring
 from hf_rtp.distributed.sharding import ChunkLayout
-from hf_rtp.distributed.traffic import Traffic
+from hf_rtp.distributed.weights_or_tokens import Traffic
 from hf_rtp.layers.common import add_matmul, autocast_dtype, cast_for_matmul, local, rotate_forward, source_text
 from hf_rtp.layers.linear import _RotatedLinearFn
 

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconLinear
 
 from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.traffic import Traffic
+from hf_rtp.distributed.weights_or_tokens import Traffic
 from hf_rtp.layers import RotatedLinear, siblings
 
 HIDDEN = 32

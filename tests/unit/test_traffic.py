@@ -1,11 +1,11 @@
 """What a forward's ranks agree on before its rotated ops choose between moving weights and moving tokens
-(model/traffic.py, distributed/traffic.py's Traffic): single-process, on the numbers each rank would bring."""
+(model/traffic.py, distributed/weights_or_tokens.py's Traffic): single-process, on the numbers each rank would bring."""
 
 import pytest
 import torch
 
 from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.traffic import Traffic
+from hf_rtp.distributed.weights_or_tokens import Traffic
 from hf_rtp.errors import CollectiveMisuseError
 from hf_rtp.model import traffic
 
