@@ -23,7 +23,7 @@ sequence, soft-capping, attention sinks, attention dropout, implementations othe
 from .block import check_cp_size, context_parallel, context_parallel_unshard, running, sharded
 from .inputs import check
 from .interface import attended
-from .loss import sequence_loss, shares, whole
+from .loss import ring_sum, sequence_loss, shares
 from .run import ATTENTION, ContextRun, Facts, active, refuse_inside
 
 __all__ = [
@@ -37,9 +37,9 @@ __all__ = [
     "context_parallel",
     "context_parallel_unshard",
     "refuse_inside",
+    "ring_sum",
     "running",
     "sequence_loss",
     "sharded",
     "shares",
-    "whole",
 ]

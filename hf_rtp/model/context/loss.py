@@ -28,7 +28,7 @@ from .run import ContextRun
 def sequence_loss(run: ContextRun, share: torch.Tensor) -> torch.Tensor:
     """A forward's loss from this rank's share: the whole sequence's, or the ring's mean of the shares for a caller
     that declared torch's convention (`shares`)."""
-    total = whole(run, share)
+    total = ring_sum(run, share)
     return total / run.ring.size if run.shares else total
 
 
@@ -45,7 +45,7 @@ def shares(run: ContextRun, on: bool) -> Iterator[None]:
         run.shares = before
 
 
-def whole(run: ContextRun, share: torch.Tensor) -> torch.Tensor:
+def ring_sum(run: ContextRun, share: torch.Tensor) -> torch.Tensor:
     """The sum over the ring of each rank's share of the loss (see the module's docstring for its backward)."""
     if run.ring.group is None:
         return share
