@@ -345,7 +345,9 @@ def _stand_in_for_save_pretrained() -> None:
             return original(self, *args, **kwargs)
         topology = state.topology
         chosen = zlib.crc32("\n".join(rotated).encode())
-        everyone = topology.enter(_SAVE_CALL, payload=[int(bool(arguments["is_main_process"])), len(rotated), chosen])
+        everyone = topology.enter(
+            "PeftModel.save_pretrained", payload=[int(bool(arguments["is_main_process"])), len(rotated), chosen]
+        )
         if len({tuple(row[1:3]) for row in everyone}) > 1:  # the same rows on every rank: all raise alike
             raise RotatedStateError(
                 f"{_SAVE_CALL}: ranks would write different rotated tensors ({len(rotated)} on this rank: "
