@@ -134,14 +134,6 @@ COMPILE_REFUSED = (
 )
 
 
-_GATHERED_ROWS_REFUSED = (
-    "{op}: indexing a rotated parameter along its rows under autograd (`w[7]`, `w[:5]`). DTensor gathers the rows, "
-    "and its backward gives each rank's chunk only that rank's own batch's gradient (it assumes every rank has the "
-    "same data), where DDP's would be the mean over all ranks' batches. Index the whole tensor, whose gradient hf_rtp "
-    "averages over the ranks: `w.full_tensor()[7]`; or index under torch.no_grad() (or `w.data[7]`) to read it."
-)
-
-
 class _DataParallelGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
@@ -266,8 +258,6 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
         for t, kind in swapped:
             t.__class__ = kind
     if isinstance(out, DTensor) and _is_view(func) and _is_rows_copy(out, rotated):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in rotated):
-            raise RotatedStateError(_GATHERED_ROWS_REFUSED.format(op=_op_name(func)))
         return _marked(out, RowsCopy)  # a gathered copy where vanilla gives a view: writes into it are refused
     return _marked_outputs(out)
 

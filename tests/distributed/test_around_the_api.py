@@ -223,15 +223,6 @@ def _edits(ckpt, batch, rank):
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
         model.lm_head.weight[:5] = 0  # autograd on: vanilla's own error
 
-    # reading rows under autograd: DTensor's gather would give each chunk its own rank's gradient alone
-    world = model.lm_head.weight.device_mesh.size()
-    xs = [torch.randn(32, dtype=DTYPE, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    with pytest.raises(hf_rtp.RotatedStateError, match=r"w\.full_tensor\(\)\[7\]"):
-        (model.lm_head.weight[7] * xs[rank]).sum()
-    (model.lm_head.weight.full_tensor()[7] * xs[rank]).sum().backward()  # what the refusal says to call
-    (sum((ref.lm_head.weight[7] * x).sum() for x in xs) / world).backward()  # DDP's mean over the ranks' terms
-    torch.testing.assert_close(_local(model.lm_head.weight.grad), _rows(model.lm_head.weight, ref.lm_head.weight.grad))
-
 
 def _cases(ckpt):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
