@@ -134,6 +134,16 @@ COMPILE_REFUSED = (
 )
 
 
+_GATHERED_ROWS_REFUSED = (
+    "{op}: a backward through rows indexed from a rotated parameter (`w[7]`, `w[:5]` in a loss). DTensor gathered the "
+    "rows, and its backward would give each rank's chunk only that rank's own batch's gradient (it assumes every "
+    "rank has the same data), where DDP's is the mean over all ranks' batches. Index the whole tensor, whose gradient "
+    "hf_rtp averages over the ranks: `w.full_tensor()[7]`. (Reading rows without a backward through them is fine.)"
+)
+# the backward ops of indexing rows (select, slice, narrow): on a rotated gradient they are DTensor's SPMD gather's
+_ROWS_BACKWARD = (torch.ops.aten.select_backward.default, torch.ops.aten.slice_backward.default)
+
+
 class _DataParallelGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
@@ -233,6 +243,8 @@ def _run_op(func, args: tuple, kwargs: dict, as_dtensor: bool = True):
     swapped = [(t, type(t)) for t in rotated] if as_dtensor else []
     if any(isinstance(t, RowsCopy) for t in rotated) and _writes_a_copy(func, args, kwargs):
         row_edits.refuse_write(_op_name(func))
+    if rotated and func in _ROWS_BACKWARD:
+        raise RotatedStateError(_GATHERED_ROWS_REFUSED.format(op=_op_name(func)))
     if rotated and _namespace(func) == "c10d":
         raise RotatedStateError(_C10D_REFUSED.format(op=func))
     if rotated and _namespace(func) == "bitsandbytes":

@@ -223,6 +223,18 @@ def _edits(ckpt, batch, rank):
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
         model.lm_head.weight[:5] = 0  # autograd on: vanilla's own error
 
+    # a backward through rows read under autograd: DTensor's gather would give each chunk its own rank's gradient
+    weight, world = model.lm_head.weight, model.lm_head.weight.device_mesh.size()
+    assert weight[0].numel() == 32  # reading a row under autograd, with no backward through it, is fine
+    xs = [torch.randn(32, dtype=DTYPE, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for rows in (7, slice(0, 5)):
+        with pytest.raises(hf_rtp.RotatedStateError, match=r"w\.full_tensor\(\)\[7\]"):
+            (weight[rows] * xs[rank]).sum().backward()
+    weight.grad = None
+    (weight.full_tensor()[7] * xs[rank]).sum().backward()  # what the refusal says to call
+    (sum((ref.lm_head.weight[7] * x).sum() for x in xs) / world).backward()  # DDP's mean over the ranks' terms
+    torch.testing.assert_close(_local(weight.grad), _rows(weight, ref.lm_head.weight.grad))
+
 
 def _cases(ckpt):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
