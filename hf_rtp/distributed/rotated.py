@@ -284,7 +284,7 @@ def _is_view(func) -> bool:
 
 
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
-_VIEW_FUNCTIONS = frozenset({"__getitem__", "narrow", "select", "index_select_view"})
+_VIEW_FUNCTIONS = frozenset({"__getitem__", "narrow", "select"})
 
 
 def _is_rows_copy(out: DTensor, rotated: list) -> bool:
