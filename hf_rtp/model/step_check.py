@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import RotatedStateError, UnsyncedGradientsError
 from . import equal_copies
-from .state import ATTRIBUTE, RTPState, state_of
+from .state import ATTRIBUTE, RTPState, find_rotated
 
 # The check's records, weak: nothing here keeps a model or a parameter alive.
 _OWNERS = WeakIdKeyDictionary()
@@ -133,7 +133,9 @@ def _refuse_unaveraged(optimizer) -> None:
             by_owner.setdefault(id(module), (module, set()))[1].add(id(p))
     for module, ids in by_owner.values():
         names = [name for name, p in module.named_parameters() if id(p) in ids]
-        raise UnsyncedGradientsError(_refusal(optimizer, module, state_of(module), names))
+        model = find_rotated(module)  # a holder may keep it under any name (a wrapper's `backbone`)
+        assert model is not None  # only modules holding a rotated model are watched
+        raise UnsyncedGradientsError(_refusal(optimizer, module, model.__dict__[ATTRIBUTE], names))
 
 
 def _holds_rotated(optimizer) -> bool:

@@ -161,6 +161,11 @@ def _wrappers(ckpt, batch, rank):
     plain(batch, use_value=rank == 0).backward()
     unused(batch, use_value=rank == 0).backward()
     assert (plain.value.weight.grad is None) == (rank != 0)
+    # a step over the wrapper's own head before sync_grads is refused naming the wrapper, where the head has a
+    # gradient (rank 0's batch reached it); elsewhere there is nothing to step
+    if rank == 0:
+        with pytest.raises(hf_rtp.UnsyncedGradientsError, match="held by a _Wrapper"):
+            torch.optim.SGD(plain.value.parameters(), lr=LR).step()
     hf_rtp.sync_grads(plain)
     _same(plain, unused.module, "grad")
 
