@@ -84,7 +84,7 @@ def _case(name: str, size: int, device: torch.device, rings: dict):
 
         return p2p
 
-    def pair() -> None:  # gloo: one by one (its batched path has been seen to hang: distributed/ring.py)
+    def pair() -> None:  # gloo: one by one (its batched path has been seen to hang: distributed/transport/ring.py)
         for s, r in pairs:
             for work in (dist.isend(s, nxt), dist.irecv(r, prv)):
                 work.wait()
@@ -108,7 +108,7 @@ def _time(make, hops: int, device: torch.device) -> tuple[float, float]:
 
 def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
 
     device = torch.device(args["device"])
     if device.type == "cuda":

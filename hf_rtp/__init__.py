@@ -8,7 +8,7 @@ from .api import (
     attach_trainer,
     from_pretrained,
 )
-from .distributed.rotated import local_rows
+from .distributed.tensors.rotated import local_rows
 from .errors import (
     CheckpointError,
     CollectiveMisuseError,

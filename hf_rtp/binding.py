@@ -10,7 +10,7 @@ from torch import nn
 
 from . import faults
 from .checkpoint.pretrained import push_to_hub, save_pretrained
-from .distributed.rotated import COMPILE_REFUSED, keep_rotated
+from .distributed.tensors.rotated import COMPILE_REFUSED, keep_rotated
 from .errors import RotatedStateError
 from .integrations.accelerate import adopt_caller as adopt_accelerator
 from .integrations.accelerate import check_accelerate_state

@@ -1,5 +1,5 @@
 """Every exception hf_rtp raises on purpose. A failure on one rank is raised as the same class on
-every rank (see distributed.agreement), so `except hf_rtp.CheckpointError` works alike everywhere."""
+every rank (see distributed.ranks.agreement), so `except hf_rtp.CheckpointError` works alike everywhere."""
 
 from __future__ import annotations
 

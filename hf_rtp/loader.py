@@ -26,8 +26,8 @@ from .checkpoint.keys import untie_stored_apart, wants_for
 from .checkpoint.load import read_proven
 from .checkpoint.quantized import QuantizedLoad
 from .checkpoint.safetensors_io import TensorEntry
-from .distributed.agreement import agreed
-from .distributed.topology import Topology, setup
+from .distributed.ranks.agreement import agreed
+from .distributed.ranks.topology import Topology, setup
 from .errors import CheckpointError, KeywordError, SettingError, TopologyError
 from .folders.commit import recover_before_reading
 from .integrations import bitsandbytes, torchao

@@ -50,7 +50,7 @@ class Settings:
     """what rotated gradients travel and are summed in (None: the parameter's dtype)"""
     rotation_moves: str = field(default="auto", metadata=_keyword("rotation_moves"))
     """what a rotated op moves around the ring in a forward: "auto" (whichever costs less: bytes and hops, the
-    weight pieces or the tokens), "weights" or "activations" (distributed.weights_or_tokens.Traffic)"""
+    weight pieces or the tokens), "weights" or "activations" (distributed.transport.weights_or_tokens.Traffic)"""
     tiled_mlp: bool | int | str = field(default="auto", metadata=_keyword("tiled_mlp"))
     """whether decoder layers' MLPs, and the model's norms, run over tiles of their tokens: "auto", True, False or
     tokens per tile (model/tiled_mlp.py)"""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..distributed.agreement import agreed
+from ..distributed.ranks.agreement import agreed
 from ..errors import CheckpointError
 from ..folders.commit import INDEX_NAME, JOURNAL, SINGLE_NAME
 from ..folders.ownership import read_json

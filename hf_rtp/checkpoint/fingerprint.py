@@ -28,7 +28,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..distributed.agreement import agreed
+from ..distributed.ranks.agreement import agreed
 from ..errors import CheckpointError
 from ..log import warning
 from .safetensors_io import TensorEntry

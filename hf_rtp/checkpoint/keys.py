@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..distributed.sharding import chunk_rows
-from ..distributed.topology import Topology
+from ..distributed.ranks.topology import Topology
+from ..distributed.tensors.sharding import chunk_rows
 from ..log import warning
 from ..model.install import persistent_buffers
 from ..model.ties import tie_targets

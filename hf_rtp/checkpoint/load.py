@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .. import faults
-from ..distributed.agreement import agreed
+from ..distributed.ranks.agreement import agreed
 from ..errors import CheckpointError
 from ..folders.commit import recover_before_reading
 from ..layers.common import local

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from ..distributed.agreement import agreed
-from ..distributed.topology import Topology
+from ..distributed.ranks.agreement import agreed
+from ..distributed.ranks.topology import Topology
 from ..errors import CheckpointError, KeywordError, SettingError
 from ..log import warning
 from ..model.state import state_of

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import faults
-from ..distributed.agreement import Attempts, agreed
-from ..distributed.sharding import ChunkLayout
-from ..distributed.topology import Topology
+from ..distributed.ranks.agreement import Attempts, agreed
+from ..distributed.ranks.topology import Topology
+from ..distributed.tensors.sharding import ChunkLayout
 from ..errors import CollectiveMisuseError
 from ..folders import commit
 from ..folders.commit import INDEX_NAME, SINGLE_NAME

@@ -1,2 +1,3 @@
-"""torch.distributed only, never transformers: the chunking rule, the ring, rotated tensors, groups, rendezvous,
-agreement and the rings' topology (DESIGN.md)."""
+"""torch.distributed only, never transformers (DESIGN.md): three folders, one job each. `transport/` moves the
+ring's messages (the only folder that does point-to-point communication), `ranks/` makes ranks agree (groups,
+meetings, shared failures, topology), `tensors/` says what a rotated tensor's rows mean."""

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from .. import faults
-from ..distributed.agreement import agreed
+from ..distributed.ranks.agreement import agreed
 from ..errors import CheckpointError
 from ..log import logger
 from .atomic import fsync_dir, fsync_tree

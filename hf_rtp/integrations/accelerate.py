@@ -2,7 +2,7 @@
 `accelerate.Accelerator` adopted when its `prepare` wraps a rotated model (`adopt_caller`).
 
 accelerate saves from the main process, pickling or safetensors-writing each state dict whole: on
-rotated parameters that is rank 0's rows (pickling refuses, see distributed.rotated.RotationMesh). This subclass
+rotated parameters that is rank 0's rows (pickling refuses, see distributed.tensors.rotated.RotationMesh). This subclass
 keeps everything accelerate saves and loads (schedulers, RNG, dataloaders, custom objects,
 non-rotated models) and takes the rotated models and their optimizers out of its hands: every rank
 writes and reads them through torch.distributed.checkpoint in `<dir>/hf_rtp_state_<i>`, which also

@@ -25,9 +25,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import log
 from ..checkpoint import quantized as quantized_checkpoint
 from ..checkpoint.quantized import NOT_QUANTIZED, QuantizedLoad
-from ..distributed.blockwise import BLOCK, aligned
-from ..distributed.rotated import RotatedTensor, rotated_scales, whole
-from ..distributed.sharding import chunk_rows
+from ..distributed.tensors.blockwise import BLOCK, aligned
+from ..distributed.tensors.rotated import RotatedTensor, rotated_scales, whole
+from ..distributed.tensors.sharding import chunk_rows
 from ..errors import CheckpointError, KeywordError, RotatedStateError
 from ..layers import siblings
 from ..layers.linear import RotatedLinear
@@ -323,7 +323,7 @@ def stored_config(config):
                               f"read: {err}") from None  # fmt: skip
 
 
-# bitsandbytes' optimizers on rotated rows (distributed/blockwise.py runs their update ops on each rank's rows)
+# bitsandbytes' optimizers on rotated rows (distributed/tensors/blockwise.py runs their update ops on each rank's rows)
 
 _UNALIGNED = (
     "bitsandbytes keeps 8-bit optimizer state in blocks of {block} elements of the flattened tensor, and at {world} "

@@ -71,8 +71,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import log
-from ..distributed.agreement import agreed
-from ..distributed.rotated import RotatedTensor, rotated_rows, rows_of, whole
+from ..distributed.ranks.agreement import agreed
+from ..distributed.tensors.rotated import RotatedTensor, rotated_rows, rows_of, whole
 from ..errors import CheckpointError, CollectiveMisuseError, RotatedStateError
 from ..layers import RotatedConv1D, RotatedEmbedding, RotatedLinear
 from ..layers.common import local

@@ -3,7 +3,7 @@ its own rows with torchao's own compiled step and keeps only its rows' 8-bit sta
 
 torchao keeps an 8-bit moment as uint8 codes in the parameter's shape plus one float32 scale per `block_size`
 (256) elements of the flattened tensor, and its step (`single_param_adam`, compiled per shape) updates each
-block from that block alone. So, as for bitsandbytes (distributed/blockwise.py), a rank that steps its rows
+block from that block alone. So, as for bitsandbytes (distributed/tensors/blockwise.py), a rank that steps its rows
 computes, bit for bit, what vanilla's step of the whole tensor computes there, when every rank's rows start on
 a block. Two things torchao would get wrong on a rotated parameter, which hf_rtp does instead:
 - torchao decides between 8-bit and unquantized state by the size of the tensor it is handed (8-bit from 4096
@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import log
-from ..distributed.blockwise import aligned
-from ..distributed.rotated import RotatedTensor, rotated_scales
+from ..distributed.tensors.blockwise import aligned
+from ..distributed.tensors.rotated import RotatedTensor, rotated_scales
 from ..errors import RotatedStateError
 from ..private import torchao_names
 from ..private.torch_names import clear_step_hooks, local_tensor

@@ -34,7 +34,7 @@ import transformers
 from torch import nn
 
 from ..checkpoint.load import load_into
-from ..distributed.rotated import COMPILE_REFUSED
+from ..distributed.tensors.rotated import COMPILE_REFUSED
 from ..errors import CheckpointError, IntegrationError, RotatedStateError, SettingError
 from ..log import warning
 from ..model import context

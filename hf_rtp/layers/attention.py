@@ -1,6 +1,6 @@
 """Causal attention over one sequence cut across the ring (context parallelism): ring attention.
 
-Each rank holds the queries, keys and values of its own tokens (distributed.sequence: chunks r and
+Each rank holds the queries, keys and values of its own tokens (distributed.tensors.sequence: chunks r and
 2N-1-r). The K/V blocks walk the ring as the weight pieces do (`Ring.forward_walk`: the next block in
 flight while this one is computed, two foreign blocks at most, from the shared pool). Each block's
 part of the attention comes from one of SDPA's fused kernels (attention_kernels: flash, memory-efficient or
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from .. import faults
-from ..distributed.ring import Ring
-from ..distributed.sequence import Interval, SequenceLayout
+from ..distributed.tensors.sequence import Interval, SequenceLayout
+from ..distributed.transport.ring import Ring
 from ..errors import SettingError
 from .attention_kernels import Aux, Kernel, kernel_for, merge_dtype, takes_groups
 
@@ -79,8 +79,8 @@ def _blocks(queries: list[Interval], keys: list[Interval], starts: tuple[int, ..
 
 def _fewer(blocks: list[Block]) -> list[Block]:
     """The same mask in fewer kernel calls: neighbouring blocks whose union is one rectangle fully visible, or one
-    square causal within itself, become that block. On a rank's tokens cut as distributed.sequence cuts them (chunks
-    r and 2N-1-r), every hop of a whole block is one call: its own (a causal square over both chunks: the second
+    square causal within itself, become that block. On a rank's tokens cut as distributed.tensors.sequence cuts them
+    (chunks r and 2N-1-r), every hop of a whole block is one call: its own (a causal square over both chunks: the second
     sees all of the first), a rank before it (all queries, its first chunk) and one after it (the second chunk of
     queries, all keys). Each kernel call costs a launch, its log-sum-exp merge and, on the CPU, a pass of its own
     over the queries."""

@@ -12,9 +12,9 @@ from typing import overload
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distributed.ring import Ring
-from ..distributed.rotated import RotatedTensor, local_chunk
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.rotated import RotatedTensor, local_chunk
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from ..private.torch_names import current_graph_task_id
 
 
@@ -24,7 +24,7 @@ def local(param: torch.Tensor) -> torch.Tensor: ...
 def local(param: None) -> None: ...
 def local(param: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's chunk, still connected to autograd so its gradient lands on the DTensor (a rotated
-    parameter's as a RotatedTensor, see distributed.rotated)."""
+    parameter's as a RotatedTensor, see distributed.tensors.rotated)."""
     if param is None:
         return None
     if isinstance(param, RotatedTensor):
@@ -147,7 +147,7 @@ def finish_weight_grads(ctx, landed, ring, inputs, positions=(1, 2)) -> list[tor
     `inputs` are the rotated chunks the accumulators belong to and `positions` their places among the
     Function's inputs (weight 1 and bias 2 for most ops); a grad is None where that input wants none
     (frozen, absent). On a 2-D grid the sum over the replicas follows the ring's: after autograd
-    accumulates `.grad` where it will (distributed.replicas, overlapped with earlier layers' backward),
+    accumulates `.grad` where it will (distributed.tensors.replicas, overlapped with earlier layers' backward),
     else here, at once.
     """
     grads: list[torch.Tensor | None] = []

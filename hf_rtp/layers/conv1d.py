@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, rotate_forward
 
 

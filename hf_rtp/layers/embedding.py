@@ -2,8 +2,8 @@
 
 Ranges are disjoint, so "sum" is a masked write. Backward needs no weights, only the travelling
 gradient accumulator, so the embedding's weights do not rotate a second time. Where the forward moved the
-tokens instead (few tokens: distributed/weights_or_tokens.py), backward moves them too, with their output gradients:
-each rank adds up its own chunk's gradient from every rank's tokens as they visit (Ring.visit_walk), N-1
+tokens instead (few tokens: distributed/transport/weights_or_tokens.py), backward moves them too, with their output
+gradients: each rank adds up its own chunk's gradient from every rank's tokens as they visit (Ring.visit_walk), N-1
 hops of the tokens' gradients in place of N-1 hops of the chunk's accumulator, in pieces.
 
 Which of a rank's tokens a piece holds is data, and selecting them by a boolean mask reads its size on
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from ..private.torch_names import assert_async
 from .common import finish_weight_grads, local, rotate_forward, source_text
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from ..errors import RotatedStateError
 from ..private.transformers_names import experts_gate
 from .common import add_matmul, autocast_dtype, finish_weight_grads, local, rotate_forward

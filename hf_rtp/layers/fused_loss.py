@@ -8,8 +8,8 @@ tokens x rows, so at most one tile of logits (16 MiB on a CPU) exists at once. N
 rank's loss is its own batch's, and the head's gradient arrives home summed over ranks, as for any
 rotated weight.
 
-Where a step's tokens are few (distributed/weights_or_tokens.py, as for any rotated op), the tokens travel instead
-of the head: forward each rank folds its own chunk's logits of every rank's hidden states into their
+Where a step's tokens are few (distributed/transport/weights_or_tokens.py, as for any rotated op), the tokens travel
+instead of the head: forward each rank folds its own chunk's logits of every rank's hidden states into their
 statistics, which travel home; backward the hidden states travel again with their log-sum-exps and loss
 gradients, each rank's chunk gradient is complete where it is made, and the hidden states' gradient goes
 home. No piece of the head moves in such a step (TRL's statistics still walk the weights).
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from .common import add_matmul, finish_weight_grads, rotate_forward
 
 BLOCK_BYTES = 16 * 2**20

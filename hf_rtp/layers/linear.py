@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle, rotate_forward, source_text
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from .common import local, rotate_forward
 from .linear import RotatedLinear
 
@@ -199,8 +199,8 @@ class FrozenQuantizedLinear(RotatedLinear):
     ) -> list[torch.Tensor]:
         """This layer's outputs for `x` by one walk: its own (`modules` [self], `layout` its own, `stack` None), or
         every one of `modules`' (its siblings of one kind, layers/siblings.py) with their pieces stacked over
-        `layout` (distributed/sharding.py's StackedLayout; `stack`: each one's columns of it and the order of their
-        biases' rows): one hop and one bitsandbytes matmul per chunk for all of them."""
+        `layout` (distributed/tensors/sharding.py's StackedLayout; `stack`: each one's columns of it and the order of
+        their biases' rows): one hop and one bitsandbytes matmul per chunk for all of them."""
         raise NotImplementedError
 
     def walk_input(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import ChunkLayout
+from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.ring import Ring
 from .common import local, rotate_forward
 from .linear4bit import FrozenQuantizedLinear, frozen_backward, joined, split_outputs, stacked_bias
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.sharding import StackedLayout
-from ..distributed.token_walk import identities
+from ..distributed.tensors.sharding import StackedLayout
+from ..distributed.transport.token_walk import identities
 from ..errors import RotatedStateError
 from .common import brought, cast_for_matmul, local, token_bound
 from .stacked import stacked_linear

@@ -1,12 +1,12 @@
 """Rotated linears on the same input walked as one (layers/siblings.py decides when): q, k and v, or gate and up.
 
 Every rotated linear walks the ring on its own, a hop and a matmul per chunk forward and again backward. Linears
-that take the same tensor can share the walk: each rank stacks its chunks of all of them (distributed/sharding.py's
-StackedLayout: chunk r is every member's chunk r in turn), so a hop carries one stacked piece and one matmul computes
-every member's rows of it. A Llama layer's seven linears then walk as four. Each member's output is its columns of
-the stacked output, in the input's dtype, as its own walk gives (F.linear, the bias inside); backward scatters the
-members' output gradients back into the stacked order, and the weight gradients that come home are split by member
-and finished as each member's own would be (layers/common.py's finish_weight_grads).
+that take the same tensor can share the walk: each rank stacks its chunks of all of them
+(distributed/tensors/sharding.py's StackedLayout: chunk r is every member's chunk r in turn), so a hop carries one
+stacked piece and one matmul computes every member's rows of it. A Llama layer's seven linears then walk as four. Each
+member's output is its columns of the stacked output, in the input's dtype, as its own walk gives (F.linear, the bias
+inside); backward scatters the members' output gradients back into the stacked order, and the weight gradients that
+come home are split by member and finished as each member's own would be (layers/common.py's finish_weight_grads).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..distributed.ring import Ring
-from ..distributed.sharding import StackedLayout
+from ..distributed.tensors.sharding import StackedLayout
+from ..distributed.transport.ring import Ring
 from .common import finish_weight_grads, rotate_forward
 from .linear import walk_backward
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..distributed.rotated import make_rotated
-from ..distributed.topology import Topology
+from ..distributed.ranks.topology import Topology
+from ..distributed.tensors.rotated import make_rotated
 from ..errors import UnsupportedModelError
 from ..layers import LAYERS, RotatedLinear, siblings
 from ..plans import Resolution

@@ -7,7 +7,7 @@ from typing import Literal, overload
 
 from torch import nn
 
-from ..distributed.topology import Topology
+from ..distributed.ranks.topology import Topology
 from ..errors import HfRtpError
 from ..plans import Plan, Resolution
 from ..settings import LoadSpec

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import log
-from ..distributed.sharding import chunk_rows
+from ..distributed.tensors.sharding import chunk_rows
 from ..errors import SettingError
 
 TILE = 8192

@@ -1,8 +1,8 @@
 """What a forward's rotated ops move around the ring, agreed by every rank at the forward's start.
 
 A rotated op moves either its weight pieces or the tokens (their inputs and outputs), whichever is
-cheaper, in bytes and hops (distributed.weights_or_tokens.Traffic). Every rank of the ring must walk the same way
-and know how many token rows the others send, so at each forward's meeting (the `forward` entry every rank makes
+cheaper, in bytes and hops (distributed.transport.weights_or_tokens.Traffic). Every rank of the ring must walk the same
+way and know how many token rows the others send, so at each forward's meeting (the `forward` entry every rank makes
 already, rendezvous.enter) each rank brings the tokens of its forward and their sequences, whether it
 records gradients, and its rotation_moves; the ring walks with the most tokens any rank brought (shorter
 token sets travel padded), and the LM head with the most tokens any rank's head sees: transformers'
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed.ring import Ring
-from ..distributed.weights_or_tokens import Traffic
+from ..distributed.transport.ring import Ring
+from ..distributed.transport.weights_or_tokens import Traffic
 from ..errors import CollectiveMisuseError
 from ..settings import MOVES
 

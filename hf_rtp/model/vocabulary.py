@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import faults, log
-from ..distributed.agreement import agreed
-from ..distributed.rotated import RotatedTensor
-from ..distributed.sharding import ChunkLayout, chunk_rows
-from ..distributed.transport import staged
+from ..distributed.ranks.agreement import agreed
+from ..distributed.tensors.rotated import RotatedTensor
+from ..distributed.tensors.sharding import ChunkLayout, chunk_rows
+from ..distributed.transport.backends import staged
 from ..errors import RotatedStateError, SettingError
 from ..layers import RotatedEmbedding, RotatedLinear
 from ..layers.common import local

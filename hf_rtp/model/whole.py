@@ -16,7 +16,7 @@ from accelerate import init_empty_weights
 from transformers import PreTrainedModel
 
 from .. import log
-from ..distributed.rotated import RotatedTensor
+from ..distributed.tensors.rotated import RotatedTensor
 from ..errors import RotatedStateError
 from .state import rotated_module, state_of
 

@@ -20,7 +20,7 @@ def _get(root: Any, path: str) -> Any:
 
 
 # DTensor's op dispatcher: its `_allow_implicit_replication` flag is toggled around ops on rotated
-# tensors only (distributed/rotated.py)
+# tensors only (distributed/tensors/rotated.py)
 _op_dispatcher = _get(DTensor, "_op_dispatcher")
 _get(_op_dispatcher, "_allow_implicit_replication")
 
@@ -35,7 +35,7 @@ def set_implicit_replication(allowed: bool) -> None:
 
 # torch 2.11 dispatches DTensor ops in C++ and skips a subclass's __torch_dispatch__ (#167051: its
 # DTensor.__torch_dispatch__ only raises; 2.10 did too, but is below TESTED, so refused above); 2.12 and newer
-# call a subclass's again. distributed/rotated.py then does its work in __torch_function__ instead.
+# call a subclass's again. distributed/tensors/rotated.py then does its work in __torch_function__ instead.
 SUBCLASS_DISPATCH_BYPASSED = Version(torch.__version__).release[:2] == (2, 11)
 # an op as torch.ops hands it over: one overload, or the packet of them `torch.ops.lib.op(...)` calls
 OpOverload = _get(torch._ops, "OpOverload")
@@ -55,14 +55,15 @@ foreach_type_lists = (
     _get(importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types"),
     _get(importlib.import_module("torch.utils._foreach_utils"), "_foreach_supported_types"),
 )
-# autograd's engine, for the replica sum after `.grad` accumulates (distributed/replicas.py)
+# autograd's engine, for the replica sum after `.grad` accumulates (distributed/tensors/replicas.py)
 will_engine_execute_node = _get(torch._C, "_will_engine_execute_node")
 current_graph_task_id = _get(torch._C, "_current_graph_task_id")
 queue_callback = _get(torch.autograd.Variable, "_execution_engine.queue_callback")
 # DDP's bucketing helpers, for sync_grads' one all-reduce per dtype (model/data_parallel.py)
 flatten_dense_tensors = _get(torch._utils, "_flatten_dense_tensors")
 unflatten_dense_tensors = _get(torch._utils, "_unflatten_dense_tensors")
-# a device-side check without a host sync (layers/embedding.py, model/fused_head.py, distributed/token_walk.py)
+# a device-side check without a host sync (layers/embedding.py, model/fused_head.py,
+# distributed/transport/token_walk.py)
 _assert_async = _get(torch, "_assert_async")
 ASSERT_MESSAGE_LIMIT = 254  # CUDA's `_assert_async` refuses a message of 255 bytes or more; the CPU takes any
 
@@ -85,8 +86,8 @@ _get(torch.Tensor, "_version")
 
 
 def version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter, shared with its views (distributed/token_walk.py's identities: tokens
-    a later op may reuse unchanged)."""
+    """The tensor's in-place version counter, shared with its views (distributed/transport/token_walk.py's identities:
+    tokens a later op may reuse unchanged)."""
     return tensor._version
 
 
@@ -96,7 +97,7 @@ def local_tensor(tensor: DTensor) -> torch.Tensor:
 
 
 # GradScaler's unscale op: DTensor's handler for it reads the placements of the list's first gradient,
-# so a replicated (plain) gradient first fails there (distributed/rotated.py puts a rotated one first)
+# so a replicated (plain) gradient first fails there (distributed/tensors/rotated.py puts a rotated one first)
 amp_unscale = _get(torch.ops.aten, "_amp_foreach_non_finite_check_and_unscale_").default
 # SDPA's CPU flash kernel and its backward, which return and take the log-sum-exp ring attention merges by
 # (layers/attention.py); F.scaled_dot_product_attention returns the output alone
@@ -123,5 +124,5 @@ def clear_step_hooks(optimizer: torch.optim.Optimizer) -> None:
 
 def op_schema(func: Any) -> Any:
     """An op overload's schema (torch._C.FunctionSchema): its qualified name and its arguments' names, which
-    distributed/blockwise.py binds a bitsandbytes update op's arguments by."""
+    distributed/tensors/blockwise.py binds a bitsandbytes update op's arguments by."""
     return _get(func, "_schema")

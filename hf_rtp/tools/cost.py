@@ -18,7 +18,7 @@ run one ring per NIC, so an FSDP2 collective of V bytes puts about V(W-1)/W/N th
 Replicas of one chunk sit on different nodes (one per node when K = N): their all-reduce is inter-node.
 Time is the larger of the NVLink and the network transfer, for every strategy: their collectives on
 the two links overlap (RTP's all-reduce over replicas starts once autograd has a layer's gradient and
-runs during earlier layers' backward, distributed/replicas.py). It does not count what hides behind compute.
+runs during earlier layers' backward, distributed/tensors/replicas.py). It does not count what hides behind compute.
 Memory is model states only (float32 weights and gradients and two AdamW moments: 16 bytes per
 parameter) plus what a step holds unsharded beyond them.
 """

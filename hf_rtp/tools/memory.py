@@ -333,7 +333,7 @@ def _rtp_local(model: Any, world_size: int, itemsize: int, piece_bytes: int) -> 
     """(elements this rank holds, its largest local tensor, pool slot elements, of which an embedding's
     lookup needs) under hf_rtp's plan."""
     from .. import plans
-    from ..distributed.sharding import ChunkLayout, chunk_rows
+    from ..distributed.tensors.sharding import ChunkLayout, chunk_rows
     from ..plans.auto import auto_plan
 
     model_type = model.config.model_type
@@ -436,7 +436,9 @@ def estimate(
     if ring < 1 or n % ring:
         raise ValueError(f"rtp_size={rtp_size} must divide the world size {n}")
     rtp_local, rtp_largest, piece, lookup = _rtp_local(model, ring, size, piece_bytes)
-    travel = min(size, torch.bfloat16.itemsize) if autocast else size  # what the ring carries (distributed/ring.py)
+    travel = (
+        min(size, torch.bfloat16.itemsize) if autocast else size
+    )  # what the ring carries (distributed/transport/ring.py)
     weight_slot = max(piece * travel, lookup * size)
     pool = 0 if ring == 1 else (1 if ring == 2 else 2) * weight_slot + 2 * piece * size  # weight + gradient slots
     tp_local = _tp_local(model, n)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from ..distributed.agreement import agreed
+from ..distributed.ranks.agreement import agreed
 from ..errors import CheckpointError
 from .dcp_io import control_group, keep_loaded_dtypes, named_waits, read_tensors, tensors
 from .folder import StateFolder, normalised

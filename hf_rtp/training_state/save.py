@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import faults
-from ..distributed.agreement import agreed
+from ..distributed.ranks.agreement import agreed
 from ..errors import CheckpointError, KeywordError
 from ..folders.ownership import FolderLock
 from .dcp_io import control_group, named_waits, scalars, tensors, write_tensors

@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from .dcp_io import stored_tensors
 from .metadata import STATE_FILE, Identity, TrainingStateMetadata, read_state
 
-# 8-bit optimizer state's block scales (distributed/blockwise.py): bitsandbytes' and torchao's
+# 8-bit optimizer state's block scales (distributed/tensors/blockwise.py): bitsandbytes' and torchao's
 _BLOCK_SCALES = re.compile(r"^optim\..*\.((absmax|qmap)[12]|(exp_avg|exp_avg_sq|max_exp_avg_sq)_scale)$")
 
 

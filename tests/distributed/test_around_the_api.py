@@ -37,7 +37,7 @@ def _local(p):
 
 def _rows(p, ref):
     """vanilla's `ref` cut to this rank's rows of rotated `p`."""
-    from hf_rtp.distributed.rotated import local_rows
+    from hf_rtp.distributed.tensors.rotated import local_rows
 
     start, end = local_rows(p)
     return ref.detach()[start:end] if hasattr(p, "to_local") else ref.detach()

@@ -131,7 +131,7 @@ def _bf16(ckpt, batch, rank):
     for name, p in model.named_parameters():  # bit for bit: assignment is exact in any dtype
         theirs = dict(ref.named_parameters())[name].detach()
         if hasattr(p, "to_local"):
-            from hf_rtp.distributed.rotated import local_rows
+            from hf_rtp.distributed.tensors.rotated import local_rows
 
             start, end = local_rows(p)
             assert torch.equal(p.to_local(), theirs[start:end]), name

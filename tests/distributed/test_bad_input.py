@@ -252,7 +252,7 @@ def test_path_that_is_neither_folder_nor_cached_hub_model(tmp_path):
 def test_token_ids_outside_the_vocabulary_fail_like_vanilla(tmp_path):
     from support.models import VOCAB
 
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
     from hf_rtp.layers import RotatedEmbedding
 
     vanilla = torch.nn.Embedding(VOCAB, 4)

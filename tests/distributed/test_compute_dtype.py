@@ -46,7 +46,7 @@ def _run(ckpt, batch, **load):
 def _bf16_rotation_is_exact(checkpoints, plain):
     from transformers import AutoModelForCausalLM
 
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world)[rank]

@@ -23,8 +23,8 @@ def _full_tensor_is_data_parallel(ckpt):
     from torch.distributed.tensor import Replicate
 
     import hf_rtp
-    from hf_rtp.distributed.rotated import RotatedTensor
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.rotated import RotatedTensor
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32)

@@ -46,7 +46,7 @@ def _autocast_matches_vanilla(checkpoints):
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batches = global_batch(world)

@@ -29,7 +29,7 @@ def make_falcon_with_bias(path) -> str:
 
 def _dense_under_autocast(ckpt):
     import hf_rtp
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ours = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, plan="auto").get_submodule(DENSE)

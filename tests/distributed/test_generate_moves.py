@@ -104,9 +104,9 @@ def _choice(ckpt):
     found = {}
     # Hidden 512: an attention projection's chunk is 512 KB per hop at 2 ranks, the MLP's 1 MB. The weights make
     # one hop, the tokens two (out and back), each also a message's latency (HOP_BYTES in
-    # distributed/weights_or_tokens.py, 256 KB). One token per rank moves tokens; 128 (on the rank that brings the
-    # most, on every rank) move weights. The embedding and the head (101 rows of 512) are small enough to walk in any
-    # case.
+    # distributed/transport/weights_or_tokens.py, 256 KB). One token per rank moves tokens; 128 (on the rank that
+    # brings the most, on every rank) move weights. The embedding and the head (101 rows of 512) are small enough to
+    # walk in any case.
     for name, seq in (("prefill", 128), ("decode", 1)):
         ids = global_batch(world, batch=1, seq=seq if rank == 0 else 1, seed=3)[rank]
         walks, sent = ring.token_walks, ring.sent_bytes

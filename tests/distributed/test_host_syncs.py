@@ -37,7 +37,7 @@ _RECORDING = {"_place", "record", "__torch_dispatch__", "__torch_function__"}  #
 
 # where hf_rtp may read on the host, with why; the most reads allowed per forward (None: any, host memory only)
 ALLOWED = {
-    "distributed/rendezvous.py": (
+    "distributed/ranks/rendezvous.py": (
         None,
         "a forward's and generate's meeting: CPU tensors gathered on the gloo entry group, read in host memory",
     ),
@@ -58,7 +58,7 @@ ALLOWED = {
     ),
 }
 # an op that sees more tokens than its forward brought: every rank reads the walk's count, once per walk
-SEES_A_CACHE = "distributed/token_walk.py _largest"
+SEES_A_CACHE = "distributed/transport/token_walk.py _largest"
 # routing by the experts' token counts: vanilla's own routing reads them too (its loop over the experts hit)
 ROUTING = "layers/experts.py __init__"
 
@@ -106,8 +106,8 @@ def _boolean(indices) -> bool:
 
 
 def _place() -> str:
-    """'distributed/token_walk.py token_walk' for a read hf_rtp's code makes; 'elsewhere' for one whose innermost frame
-    outside torch is not hf_rtp's (transformers, the optimizer's caller, autograd's own backward)."""
+    """'distributed/transport/token_walk.py token_walk' for a read hf_rtp's code makes; 'elsewhere' for one whose
+    innermost frame outside torch is not hf_rtp's (transformers, the optimizer's caller, autograd's own backward)."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(_TORCH) or (frame.filename == __file__ and frame.name in _RECORDING):
             continue
@@ -222,8 +222,8 @@ def _step_moving_tokens(ckpt):
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
-    from hf_rtp.distributed.ring import Ring
-    from hf_rtp.distributed.token_walk import TOKEN_GRAD_TAG
+    from hf_rtp.distributed.transport.ring import Ring
+    from hf_rtp.distributed.transport.token_walk import TOKEN_GRAD_TAG
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch = global_batch(world)[rank]
@@ -312,9 +312,9 @@ def test_on_a_two_dimensional_grid_each_rank_keeps_its_own_count(tmp_path):
 def _walks(wide: int, rows: int):
     """On each rank of a ring of two, an op that moves its tokens (F.linear on a rotated weight) with the counts a
     forward's start agreed on: how often it walked, what it read on the host, and its distance from vanilla's."""
-    from hf_rtp.distributed.sharding import ChunkLayout
-    from hf_rtp.distributed.topology import setup
-    from hf_rtp.distributed.weights_or_tokens import Traffic
+    from hf_rtp.distributed.ranks.topology import setup
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout
+    from hf_rtp.distributed.transport.weights_or_tokens import Traffic
     from hf_rtp.errors import CollectiveMisuseError
     from hf_rtp.layers.common import local, rotate_forward
     from hf_rtp.model.install import rotated_parameter
@@ -412,8 +412,8 @@ def test_the_embedding_looks_up_and_sums_on_cuda_without_waiting_for_the_device(
     none, and give vanilla's lookup bit for bit and its gradient."""
     import torch.nn.functional as F
 
-    from hf_rtp.distributed.ring import Ring
-    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout
+    from hf_rtp.distributed.transport.ring import Ring
     from hf_rtp.layers.embedding import _RotatedEmbeddingFn
 
     generator = torch.Generator().manual_seed(0)

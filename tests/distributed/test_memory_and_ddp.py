@@ -18,7 +18,7 @@ def _ddp_and_shares(ckpt):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hf_rtp
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     rank, world = _rank_world()
     batch = global_batch(world)[rank]
@@ -72,7 +72,7 @@ def test_ddp_matches_sync_grads_and_rank_holds_its_share(tmp_path):
 
 def _count_live_chunks(ckpt, out, piece_size):
     import hf_rtp
-    from hf_rtp.distributed.sharding import StackedLayout
+    from hf_rtp.distributed.tensors.sharding import StackedLayout
 
     rank, world = _rank_world()
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32, rotation_piece_size=piece_size).train()

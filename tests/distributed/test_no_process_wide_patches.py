@@ -2,7 +2,7 @@
 
 A rotated model holds DTensor and plain parameters, and `clip_grad_norm_` or a foreach optimizer over
 all of them mixes the two kinds. hf_rtp allows that mixing only inside ops on its own rotated tensors
-(distributed/rotated.py), so a TP or FSDP model beside it in the same process (a reference model, a reward
+(distributed/tensors/rotated.py), so a TP or FSDP model beside it in the same process (a reference model, a reward
 model) still gets torch's error when it mixes. Compared with vanilla under DDP in float64.
 """
 
@@ -36,7 +36,7 @@ def _train_beside_a_plain_dtensor(ckpt):
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
-    from hf_rtp.distributed.rotated import RotatedTensor
+    from hf_rtp.distributed.tensors.rotated import RotatedTensor
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = hf_rtp.from_pretrained(ckpt, dtype=DTYPE)

@@ -40,7 +40,7 @@ def _vanilla_rows(vanilla, name, rank, world):
     """Vanilla's packed bytes and the absmax its matmul uses, for this rank's rows of module `name`."""
     import bitsandbytes.functional as F
 
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     weight = vanilla.get_submodule(name).weight
     state = weight.quant_state

@@ -29,7 +29,7 @@ def _load_elsewhere(ckpt, state_dir, reference):
     from torch.distributed.tensor import DTensor
 
     import hf_rtp
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
     from hf_rtp.training_state import load_training_state
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

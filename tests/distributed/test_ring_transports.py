@@ -3,8 +3,8 @@
 - "staged" (a backend that cannot send the device's tensors point to point: gloo on GPUs) copies every message
   through host memory; on CPU tensors the copies are real copies, so a staged ring must give bit for bit what
   the plain one gives: a rotated linear's output and every gradient, and a save's gathered rows.
-- a "watched" ring (NCCL's, distributed/watch.py) sends no tags, as NCCL ignores them, and puts a header on every
-  hop instead; over gloo it too must give the plain ring's results bit for bit. Ranks whose walks disagree (one
+- a "watched" ring (NCCL's, distributed/transport/watch.py) sends no tags, as NCCL ignores them, and puts a header on
+  every hop instead; over gloo it too must give the plain ring's results bit for bit. Ranks whose walks disagree (one
   sends weights where the other sends gradients, same shapes: tags would have kept them apart) fail by name on
   both ranks, from the headers alone; a hop a neighbour never answers is named within the watch's timeout
   while the rank waits on nothing (NCCL's waits do not block the host).
@@ -21,7 +21,7 @@ from support.spawn import run_on_ranks
 
 def _linear_through(ring):
     """A rotated linear's output and gradients at 2 ranks (float64), and a save's gathered weight on rank 0."""
-    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout
     from hf_rtp.layers.linear import _RotatedLinearFn
 
     gen = torch.Generator().manual_seed(0)
@@ -49,7 +49,7 @@ def _linear_through(ring):
 def _transports():
     import torch.distributed as dist
 
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
 
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1], backend="gloo")
@@ -81,7 +81,7 @@ def test_staged_and_watched_rings_give_the_plain_rings_results_bit_for_bit():
 def _disagreeing_walks():
     import torch.distributed as dist
 
-    from hf_rtp.distributed.ring import _GRAD_TAG, _WEIGHT_TAG, Ring
+    from hf_rtp.distributed.transport.ring import _GRAD_TAG, _WEIGHT_TAG, Ring
     from hf_rtp.errors import CollectiveMisuseError
 
     dist.init_process_group("gloo")
@@ -109,7 +109,7 @@ def test_walks_that_disagree_fail_by_name_on_every_rank_without_tags():
 def _unanswered_hop():
     import torch.distributed as dist
 
-    from hf_rtp.distributed.ring import _WEIGHT_TAG, Ring
+    from hf_rtp.distributed.transport.ring import _WEIGHT_TAG, Ring
     from hf_rtp.errors import CollectiveMisuseError
 
     dist.init_process_group("gloo")

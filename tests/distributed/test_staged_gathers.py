@@ -1,5 +1,5 @@
-"""The host-staged collectives outside the ring (distributed/transport.py, `staged`; rotated.py's `_gathered` and
-`_redistributed`; the context-parallel unshard and the embedding resize's scatter) on the CPU: a world of gloo on
+"""The host-staged collectives outside the ring (distributed/transport/backends.py, `staged`; rotated.py's `_gathered`
+and `_redistributed`; the context-parallel unshard and the embedding resize's scatter) on the CPU: a world of gloo on
 CUDA takes that path (gloo's all_gather of CUDA tensors killed both ranks of the GPU check with SIGSEGV), and CI has
 no GPU, so these ranks force the rotation mesh's host twin, over a gloo group of its own, and compare with vanilla
 transformers (tests/support/gathers.py) at 2 and 3 ranks, uneven chunks included; that every gather of

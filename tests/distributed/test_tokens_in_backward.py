@@ -1,8 +1,8 @@
-"""Where a training forward moves the tokens instead of the weights (few tokens: distributed/weights_or_tokens.py), the
-embedding's and the fused LM head's backward move the tokens too: the embedding's tokens visit every rank with
-their output gradients, each rank adding up its own chunk's gradient (Ring.visit_walk, N-1 hops); the head's
-travel with their log-sum-exps and loss gradients, and their hidden states' gradient comes home (N hops). No
-piece of either, and no accumulator of either, walks the ring in backward.
+"""Where a training forward moves the tokens instead of the weights (few tokens:
+distributed/transport/weights_or_tokens.py), the embedding's and the fused LM head's backward move the tokens too: the
+embedding's tokens visit every rank with their output gradients, each rank adding up its own chunk's gradient
+(Ring.visit_walk, N-1 hops); the head's travel with their log-sum-exps and loss gradients, and their hidden states'
+gradient comes home (N hops). No piece of either, and no accumulator of either, walks the ring in backward.
 
 Each case loads with rotation_moves="activations" (at these tiny shapes "auto" would walk the weights) and a
 vocabulary large enough that a step's tokens fit the weights' slots. Ranks bring sequences of different lengths
@@ -28,7 +28,7 @@ from support.zoo import zoo_config
 
 VOCAB = 1009  # prime, as the suite's: uneven chunks; large enough that the tokens fit the weights' slots
 PAD = 5
-WEIGHTS_TAG = 0  # distributed/ring.py's hops of weight pieces
+WEIGHTS_TAG = 0  # distributed/transport/ring.py's hops of weight pieces
 
 CASES = {  # name: (family, ranks, rotation_piece_size, head's backward moves tokens)
     "llama-2": ("llama", 2, "16MB", True),
@@ -62,7 +62,7 @@ def _step(ckpt, piece_size, plan):
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
     from hf_rtp.model.state import state_of
 
     torch.manual_seed(0)
@@ -111,7 +111,7 @@ def _step(ckpt, piece_size, plan):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_embedding_and_head_backward_move_the_tokens_the_forward_moved(tmp_path, case):
-    from hf_rtp.distributed.token_walk import TOKEN_GRAD_TAG, TOKEN_TAG
+    from hf_rtp.distributed.transport.token_walk import TOKEN_GRAD_TAG, TOKEN_TAG
 
     family, world, piece_size, head_moves = CASES[case]
     ckpt = _checkpoint(family, tmp_path / "ckpt")
@@ -131,7 +131,7 @@ def _lora_step(ckpt):
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
 
     rank = int(os.environ["RANK"])
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves="activations")
@@ -168,7 +168,7 @@ def test_a_frozen_head_and_embedding_move_tokens_for_the_adapters_gradients(tmp_
     """LoRA (PEFT) on q_proj: the head and the embedding are frozen. The head's backward still moves the tokens,
     for the hidden states' gradient only; the frozen embedding's backward does not walk at all. The adapters'
     gradients are vanilla PEFT's under DDP."""
-    from hf_rtp.distributed.token_walk import TOKEN_GRAD_TAG, TOKEN_TAG
+    from hf_rtp.distributed.transport.token_walk import TOKEN_GRAD_TAG, TOKEN_TAG
 
     ckpt = make_tiny("llama", tmp_path / "ckpt", vocab_size=VOCAB)
     for gaps, backward in run_on_ranks(_lora_step, 2, ckpt):

@@ -10,7 +10,7 @@ The world is the one .ci/gpu chose (HF_RTP_TEST_BACKEND):
 - "cpu:gloo,cuda:nccl" with NCCL_MULTI_RANK_GPU_ENABLE=1 where the NCCL library torch loaded is 2.30 or newer
   (NCCL's env.rst: experimental, two ranks per GPU with its defaults; earlier NCCL refuses two ranks on a GPU);
 - else "cpu:gloo,cuda:gloo", a world whose backend cannot send CUDA tensors point to point: hf_rtp's ring copies
-  each message through host memory (distributed/transport.py's "staged").
+  each message through host memory (distributed/transport/backends.py's "staged").
 
 `python tests/gpu/gpu_world.py FILE` prints the versions and the choice (.ci/gpu's first stage) and writes the
 variables to export to FILE, one NAME=value a line. Before it chooses the NCCL world it tries it (`probe`): two

@@ -6,7 +6,7 @@ logits, `save_pretrained`'s files and `resize_token_embeddings` (a scatter of th
 In a world where gloo serves CUDA tensors ("cpu:gloo,cuda:gloo", the GPU check's world without NCCL 2.30) gloo
 runs all_reduce and broadcast only: its all_gather of CUDA tensors, which DTensor's full_tensor() issues, killed
 both ranks with SIGSEGV on an H100 (docs/testing.md), so hf_rtp gathers and scatters host copies there
-(distributed/transport.py, `staged`). Over NCCL the same calls run on the device.
+(distributed/transport/backends.py, `staged`). Over NCCL the same calls run on the device.
 
 What equality holds: gathered and saved weights are vanilla's bytes (`torch.equal`); the full_tensor gradient is
 the mean of each rank's (rank + 1) exactly; logits are float32 matmuls on a chunk's rows against vanilla's on the

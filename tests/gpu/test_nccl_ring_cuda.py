@@ -53,8 +53,8 @@ def _nccl_scenarios():
 
     import torch.distributed as dist
 
-    from hf_rtp.distributed.ring import _GRAD_TAG, _WEIGHT_TAG, Ring
-    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout
+    from hf_rtp.distributed.transport.ring import _GRAD_TAG, _WEIGHT_TAG, Ring
     from hf_rtp.errors import CollectiveMisuseError
     from hf_rtp.layers.linear import _RotatedLinearFn
 
@@ -126,7 +126,7 @@ def _never_connected(stderr_path):
 
     import torch.distributed as dist
 
-    from hf_rtp.distributed.ring import _WEIGHT_TAG, Ring
+    from hf_rtp.distributed.transport.ring import _WEIGHT_TAG, Ring
     from hf_rtp.errors import CollectiveMisuseError
 
     device = torch.device("cuda", 0)

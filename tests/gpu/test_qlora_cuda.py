@@ -64,7 +64,7 @@ def _same_weights(model, vanilla, rank: int, world: int) -> dict[str, tuple[bool
     """Per 4-bit linear: (this rank's packed rows and scales are vanilla's, its dequantized rows are vanilla's)."""
     import bitsandbytes.functional as bnb_functional
 
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     same = {}
     for name, module in vanilla.named_modules():

@@ -24,7 +24,7 @@ DTYPE = torch.float64
 
 
 def rows(param, world, rank):
-    from hf_rtp.distributed.sharding import chunk_rows
+    from hf_rtp.distributed.tensors.sharding import chunk_rows
 
     return slice(*chunk_rows(param.shape[0], world, rank))
 

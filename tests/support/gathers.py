@@ -2,7 +2,8 @@
 (without autograd, and under it), redistribute to Replicate, context_parallel_unshard of the logits,
 save_pretrained's files and resize_token_embeddings' scatter. tests/gpu/test_gathers_cuda.py runs it on cuda:0;
 tests/distributed/test_staged_gathers.py on the CPU, there with the rotation mesh's host twin forced, so that the
-host-staged path a world of gloo on CUDA takes (distributed/transport.py, `staged`) runs where CI can run it."""
+host-staged path a world of gloo on CUDA takes (distributed/transport/backends.py, `staged`) runs where CI can run
+it."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def gathers_beside_vanilla(ckpt, out, device, force_host: bool = False):
     from transformers import AutoModelForCausalLM
 
     import hf_rtp
-    from hf_rtp.distributed.transport import staged
+    from hf_rtp.distributed.transport.backends import staged
 
     from .models import global_batch
 

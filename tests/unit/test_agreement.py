@@ -1,4 +1,4 @@
-"""hf_rtp/distributed/agreement.py: a failure on one rank is the same error on every rank, naming the rank that
+"""hf_rtp/distributed/ranks/agreement.py: a failure on one rank is the same error on every rank, naming the rank that
 failed, never a hang in the next collective. In one process (no group) the error is still the class a rank would
 raise; at two real gloo ranks every rank raises the failing rank's class (or the caller's `wrap`) and the group
 stays usable afterwards."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from support.spawn import run_on_ranks
 
-from hf_rtp.distributed.agreement import Attempts, agreed, raise_if_any_failed
+from hf_rtp.distributed.ranks.agreement import Attempts, agreed, raise_if_any_failed
 from hf_rtp.errors import CheckpointError, HfRtpError, PlanError, SettingError, TopologyError
 
 # --- one process, torch.distributed not initialised

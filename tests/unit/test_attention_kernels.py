@@ -16,8 +16,8 @@ from support.spawn import run_on_ranks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_rtp import faults
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.sequence import SequenceLayout
+from hf_rtp.distributed.tensors.sequence import SequenceLayout
+from hf_rtp.distributed.transport.ring import Ring
 from hf_rtp.errors import SettingError
 from hf_rtp.layers import attention
 from hf_rtp.layers.attention import probe, ring_attention, trusted

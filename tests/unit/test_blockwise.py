@@ -1,5 +1,5 @@
-"""hf_rtp/distributed/blockwise.py: which rotated tensors may keep bitsandbytes' blockwise 8-bit state, the shape of
-their block scales, and which ops run on a rank's rows.
+"""hf_rtp/distributed/tensors/blockwise.py: which rotated tensors may keep bitsandbytes' blockwise 8-bit state, the
+shape of their block scales, and which ops run on a rank's rows.
 
 `aligned` is checked against a brute-force oracle written from the definition: walk every element of the
 flattened tensor, note which rank holds it and which block it falls in; the tensor is aligned when every block
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from hf_rtp.distributed.blockwise import BLOCK, STEPPED, aligned, scales_shape, step_rows
-from hf_rtp.distributed.sharding import chunk_rows
+from hf_rtp.distributed.tensors.blockwise import BLOCK, STEPPED, aligned, scales_shape, step_rows
+from hf_rtp.distributed.tensors.sharding import chunk_rows
 from hf_rtp.errors import RotatedStateError
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from support.spawn import run_on_ranks
 
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.sharding import ChunkLayout
-from hf_rtp.distributed.weights_or_tokens import Traffic
+from hf_rtp.distributed.tensors.sharding import ChunkLayout
+from hf_rtp.distributed.transport.ring import Ring
+from hf_rtp.distributed.transport.weights_or_tokens import Traffic
 from hf_rtp.layers.common import add_matmul, autocast_dtype, cast_for_matmul, local, rotate_forward, source_text
 from hf_rtp.layers.linear import _RotatedLinearFn
 
@@ -106,7 +106,7 @@ def test_a_forward_is_recognised_by_its_code_alone():
 def _choices(wide: int, rows: int):
     """On each rank of a ring of two: for each case, whether the op moved its tokens, and its largest distance from
     vanilla's F.linear on the whole weight (every rank builds the whole weight from one seed, keeps its rows)."""
-    from hf_rtp.distributed.topology import setup
+    from hf_rtp.distributed.ranks.topology import setup
     from hf_rtp.model.install import rotated_parameter
     from hf_rtp.settings import Settings
 

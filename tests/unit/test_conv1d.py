@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.sharding import ChunkLayout
+from hf_rtp.distributed.tensors.sharding import ChunkLayout
+from hf_rtp.distributed.transport.ring import Ring
 from hf_rtp.layers import LAYERS, RotatedConv1D
 from hf_rtp.layers.conv1d import _RotatedConv1DFn
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_rtp.distributed.token_walk import _UNREAD_SHORT
+from hf_rtp.distributed.transport.token_walk import _UNREAD_SHORT
 from hf_rtp.private.torch_names import ASSERT_MESSAGE_LIMIT, assert_async
 
 

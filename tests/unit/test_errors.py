@@ -29,7 +29,7 @@ def test_checkpoint_error_is_an_os_error_and_keeps_its_message():
 
 @pytest.mark.parametrize("name", sorted(CLASSES))
 def test_every_class_is_raised_again_by_name_with_its_message(name):
-    # distributed.agreement: the failing rank's class name and message travel; the others raise the same
+    # distributed.ranks.agreement: the failing rank's class name and message travel; the others raise the same
     raised = CLASSES[name](f"rank 1 failed: {CLASSES[name]('no config.json')}")
     assert type(raised).__name__ == name and str(raised) == "rank 1 failed: no config.json"
     assert str(pickle.loads(pickle.dumps(raised))) == str(raised)

@@ -15,7 +15,7 @@ from transformers import GptOssConfig, MixtralConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from hf_rtp.distributed.ring import Ring
+from hf_rtp.distributed.transport.ring import Ring
 from hf_rtp.layers import LAYERS, RotatedExperts
 from hf_rtp.layers.experts import _RotatedExpertsFn
 

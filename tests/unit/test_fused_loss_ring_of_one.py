@@ -19,7 +19,7 @@ from support.models import VOCAB
 from support.zoo import zoo_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from hf_rtp.distributed.ring import Ring
+from hf_rtp.distributed.transport.ring import Ring
 from hf_rtp.layers import RotatedLinear, fused_loss
 from hf_rtp.model.forward import install_forward
 from hf_rtp.model.fused_head import read_head

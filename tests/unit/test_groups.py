@@ -1,7 +1,7 @@
-"""hf_rtp's own process groups (distributed/groups.py) on a real gloo world of one rank: one group per role and
+"""hf_rtp's own process groups (distributed/ranks/groups.py) on a real gloo world of one rank: one group per role and
 ranks, made once and carrying the timeout it was asked with; made afresh for a new world; torn down at exit
 before the world, and the world only when hf_rtp made it. Several ranks asking for the groups in one order is
-what every multi-rank test does (distributed/topology.py's setup)."""
+what every multi-rank test does (distributed/ranks/topology.py's setup)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_rtp.distributed import groups
+from hf_rtp.distributed.ranks import groups
 
 
 @pytest.fixture

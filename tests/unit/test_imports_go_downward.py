@@ -166,6 +166,39 @@ def test_design_md_names_every_module_of_the_tree():
     ]  # fmt: skip
 
 
+def test_every_subpackage_names_its_modules_in_its_docstring():
+    """A folder inside a layer's folder (distributed/transport/, model/context/, ...) is one row of DESIGN.md's
+    table in one word; its `__init__.py` docstring is where its modules are named, each in backticks."""
+    missing = []
+    for init in sorted(PACKAGE.glob("*/*/__init__.py")):
+        folder = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = set(re.findall(r"`([^`]+)`", doc))
+        found = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        missing += [f"{folder.relative_to(PACKAGE)}/{m}" for m in sorted(found - named)]
+    assert missing == []
+
+
+def test_only_the_ring_posts_point_to_point_messages():
+    """DESIGN.md: only distributed/transport/ring.py sends or receives point to point; every other module of
+    the package asks it to (a save's rows, a walk's tokens), so the hop's posting, headers and watch are one place."""
+    names = {"isend", "irecv", "batch_isend_irecv", "P2POp", "send", "recv", "send_object_list", "recv_object_list"}
+
+    def posts(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in names:
+                return True
+        return False
+
+    posting = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "tools" not in path.relative_to(PACKAGE).parts and posts(path)
+    )
+    assert posting == ["distributed/transport/ring.py"]
+
+
 def test_the_checker_finds_a_hidden_cycle_an_upward_import_and_transformers_in_distributed(tmp_path):
     package = tmp_path / "pkg"
     for folder in ("", "distributed", "model", "tools"):

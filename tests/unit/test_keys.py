@@ -15,7 +15,7 @@ from hf_rtp import plans
 from hf_rtp.checkpoint.conversion import Transposed
 from hf_rtp.checkpoint.keys import untie_stored_apart, wants_for
 from hf_rtp.checkpoint.safetensors_io import read_header
-from hf_rtp.distributed.topology import setup
+from hf_rtp.distributed.ranks.topology import setup
 from hf_rtp.model.ties import tie_targets
 from hf_rtp.settings import Settings
 

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.sharding import ChunkLayout
+from hf_rtp.distributed.tensors.sharding import ChunkLayout
+from hf_rtp.distributed.transport.ring import Ring
 from hf_rtp.layers import RotatedEmbedding, RotatedLinear
 from hf_rtp.layers.embedding import _RotatedEmbeddingFn
 from hf_rtp.layers.linear import _RotatedLinearFn

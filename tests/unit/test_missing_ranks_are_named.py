@@ -6,7 +6,7 @@ import signal
 import socket
 import subprocess
 
-from hf_rtp.distributed.rendezvous import _missing
+from hf_rtp.distributed.ranks.rendezvous import _missing
 
 
 def test_gone_zombie_and_stopped_ranks_are_named_running_and_remote_ones_are_not():

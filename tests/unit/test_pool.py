@@ -1,10 +1,11 @@
-"""distributed/pool.py: the views a walk asks for at every hop are carved once, and never outlive their buffer."""
+"""distributed/transport/pool.py: the views a walk asks for at every hop are carved once, and never outlive their
+buffer."""
 
 from __future__ import annotations
 
 import torch
 
-from hf_rtp.distributed.pool import VIEWS_KEPT, BufferPool
+from hf_rtp.distributed.transport.pool import VIEWS_KEPT, BufferPool
 
 LIKE = torch.empty(0)
 

@@ -17,7 +17,7 @@ from hf_rtp import plans
 from hf_rtp.checkpoint.keys import wants_for
 from hf_rtp.checkpoint.quantized import _quant_state, read_stored, stored_specs
 from hf_rtp.checkpoint.safetensors_io import read_header
-from hf_rtp.distributed.topology import setup
+from hf_rtp.distributed.ranks.topology import setup
 from hf_rtp.errors import CheckpointError
 from hf_rtp.integrations.bitsandbytes import stored_config
 from hf_rtp.layers.linear4bit import Quant4bit, piece_of

@@ -50,7 +50,7 @@ def test_the_checker_finds_internal_names():
         "from hf_rtp.checkpoint.save import upload_folder\n"
         "from hf_rtp import sync_grads, settings\n"
         "hf_rtp.state_of(m).topology\n"
-        "hf_rtp.distributed.sharding.chunk_rows(4, 2, 0)\n"
+        "hf_rtp.distributed.tensors.sharding.chunk_rows(4, 2, 0)\n"
     )
     assert sorted(internal_uses(planted)) == [
         "from hf_rtp.checkpoint.save import ...",

@@ -1,4 +1,4 @@
-"""hf_rtp/distributed/rendezvous.py in one process: what a meeting carries, that a world of one needs no group,
+"""hf_rtp/distributed/ranks/rendezvous.py in one process: what a meeting carries, that a world of one needs no group,
 that every call hf_rtp meets at is one whose name a mismatch can spell out, and the roll call that names a rank
 that never answered. (The meeting of several ranks: tests/faults/test_collective_misuse.py; _missing:
 test_missing_ranks_are_named.py.)"""
@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 import hf_rtp
-from hf_rtp.distributed import rendezvous
-from hf_rtp.distributed.rendezvous import _CALLS, PAYLOAD, _absent, enter, same_settings
+from hf_rtp.distributed.ranks import rendezvous
+from hf_rtp.distributed.ranks.rendezvous import _CALLS, PAYLOAD, _absent, enter, same_settings
 
 SECOND = timedelta(seconds=1)
 

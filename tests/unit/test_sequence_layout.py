@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.sequence import SequenceLayout
+from hf_rtp.distributed.tensors.sequence import SequenceLayout
+from hf_rtp.distributed.transport.ring import Ring
 from hf_rtp.layers.attention import _blocks, ring_attention
 
 

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from hf_rtp.distributed.sharding import ChunkLayout, chunk_rows
+from hf_rtp.distributed.tensors.sharding import ChunkLayout, chunk_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 10, 101])
@@ -31,7 +31,7 @@ def test_chunk_zero_and_its_first_piece_are_the_largest():
 
     import torch
 
-    from hf_rtp.distributed.sharding import ChunkLayout
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout
 
     for rows in (1, 2, 5, 10, 101):
         for world in (1, 2, 3, 4, 7):
@@ -55,8 +55,8 @@ def test_what_a_walk_asks_is_computed_once_and_equals_the_rule():
     to the fields (a layout keyed in a dict before and after a walk is the same key)."""
     import copy
 
-    from hf_rtp.distributed.sequence import SpanLayout
-    from hf_rtp.distributed.sharding import StackedLayout
+    from hf_rtp.distributed.tensors.sequence import SpanLayout
+    from hf_rtp.distributed.tensors.sharding import StackedLayout
 
     cases = [SpanLayout((torch.Size((6, 3)),), 2, (0, 5, 6)), SpanLayout((torch.Size((9, 2)),), 3, (0, 0, 7, 9))]
     for rows in (1, 5, 10, 101):

@@ -16,8 +16,8 @@ from support.spawn import run_on_ranks
 from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconLinear
 
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.weights_or_tokens import Traffic
+from hf_rtp.distributed.transport.ring import Ring
+from hf_rtp.distributed.transport.weights_or_tokens import Traffic
 from hf_rtp.layers import RotatedLinear, siblings
 
 HIDDEN = 32
@@ -157,7 +157,7 @@ def _walks(declared: bool):
     """On each rank of a ring of two: the token walks and the largest distance from vanilla's outputs, per pass of
     q, k and v over one decode step's hidden states (a token per rank); with `declared`, as STACKED names them,
     else as siblings it does not name."""
-    from hf_rtp.distributed.topology import setup
+    from hf_rtp.distributed.ranks.topology import setup
     from hf_rtp.model.install import rotated_parameter
     from hf_rtp.settings import Settings
 
@@ -232,7 +232,7 @@ def test_stacked_outputs_take_in_place_ops_and_inference_mode_walks_alone():
 def test_a_stacked_output_nothing_used_gets_zeros_and_the_others_their_exact_gradients():
     """layers/stacked.py's backward builds the stacked output gradient from each member's slices; an output
     nothing used has no gradient (None) and stands as zeros, so the other members' gradients are F.linear's."""
-    from hf_rtp.distributed.sharding import ChunkLayout, StackedLayout
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout, StackedLayout
     from hf_rtp.layers.stacked import stacked_linear
 
     torch.manual_seed(0)

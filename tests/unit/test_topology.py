@@ -1,4 +1,4 @@
-"""hf_rtp/distributed/topology.py in one process: how `rings` reads rtp_size and a device_mesh (and refuses what
+"""hf_rtp/distributed/ranks/topology.py in one process: how `rings` reads rtp_size and a device_mesh (and refuses what
 cannot be a set of whole rings), and the one-process Topology that `setup` gives with Settings.resolve(), both
 without torch.distributed and on a real gloo group of one rank."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from hf_rtp.distributed.topology import rings, setup
+from hf_rtp.distributed.ranks.topology import rings, setup
 from hf_rtp.errors import TopologyError
 from hf_rtp.settings import Settings
 

@@ -1,11 +1,12 @@
 """What a forward's ranks agree on before its rotated ops choose between moving weights and moving tokens
-(model/traffic.py, distributed/weights_or_tokens.py's Traffic): single-process, on the numbers each rank would bring."""
+(model/traffic.py, distributed/transport/weights_or_tokens.py's Traffic): single-process, on the numbers each rank
+would bring."""
 
 import pytest
 import torch
 
-from hf_rtp.distributed.ring import Ring
-from hf_rtp.distributed.weights_or_tokens import Traffic
+from hf_rtp.distributed.transport.ring import Ring
+from hf_rtp.distributed.transport.weights_or_tokens import Traffic
 from hf_rtp.errors import CollectiveMisuseError
 from hf_rtp.model import traffic
 
@@ -78,7 +79,7 @@ def test_an_op_moves_tokens_when_they_cost_less_and_fit_the_weight_slots(moves, 
 
 
 def test_a_weights_slot_is_reckoned_in_the_dtype_that_fills_it():
-    """A slot holds the largest planned piece in what it travels in (distributed/pool.py). Reckoned in a wider
+    """A slot holds the largest planned piece in what it travels in (distributed/transport/pool.py). Reckoned in a wider
     dtype (a float32 lookup under bf16 autocast, TRL's float32 hidden states beside a bf16 head) it would seem
     twice as big, and a token message that fit that reckoning would regrow both slots for good."""
     from hf_rtp.layers.fused_loss import _tokens_fit

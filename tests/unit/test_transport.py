@@ -1,4 +1,4 @@
-"""How the ring's messages travel, for every way a world can be started (distributed/transport.py).
+"""How the ring's messages travel, for every way a world can be started (distributed/transport/backends.py).
 
 The decision reads which backend serves the tensors' device, never the world's backend string: a world started
 with no backend reports 'undefined' (and, on a CUDA build, serves CUDA tensors with NCCL), torchtitan writes
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from hf_rtp.distributed.transport import backend_map, transport_for
+from hf_rtp.distributed.transport.backends import backend_map, transport_for
 from hf_rtp.errors import TopologyError
 
 CASES = [

@@ -51,7 +51,7 @@ CASES = [  # (vocabulary, temperature, outputs), as each trainer calls the head
 def _models(vocab: int):
     """A small float32 Llama with a realistic vocabulary: vanilla, and a copy whose head is rotated on a ring of
     one (hf_rtp's fused head runs on it as on N ranks, minus the transfers)."""
-    from hf_rtp.distributed.ring import Ring
+    from hf_rtp.distributed.transport.ring import Ring
     from hf_rtp.layers import RotatedLinear
 
     config = tiny_llama_config(vocab_size=vocab, intermediate_size=64)

@@ -1,5 +1,5 @@
-"""The ring's watch (distributed/watch.py) on its own thread: a hop is watched from before its post, because on
-NCCL the post itself can block the host (a pair of ranks connects at its first message and waits for the
+"""The ring's watch (distributed/transport/watch.py) on its own thread: a hop is watched from before its post, because
+on NCCL the post itself can block the host (a pair of ranks connects at its first message and waits for the
 neighbour). A post that never returns is named after the timeout, and the group is aborted; a hop posted as no
 work is forgotten. tests/gpu/test_nccl_ring_cuda.py shows it on NCCL."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from hf_rtp.distributed.watch import Watch
+from hf_rtp.distributed.transport.watch import Watch
 from hf_rtp.errors import CollectiveMisuseError
 
 
@@ -51,7 +51,7 @@ def test_a_post_that_raised_leaves_nothing_to_time_out():
     script that caught the error is not ended later for a hop that was never sent."""
     import torch.distributed as dist
 
-    from hf_rtp.distributed.ring import _WEIGHT_TAG, Ring
+    from hf_rtp.distributed.transport.ring import _WEIGHT_TAG, Ring
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

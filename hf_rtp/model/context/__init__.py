@@ -1,6 +1,6 @@
 """Context parallelism on a rotated model: one sequence across the ring, for the length of a `with` block.
 
-Inside the block each rank holds its chunks of the sequence (distributed.sequence). Every op but attention works
+Inside the block each rank holds its chunks of the sequence (distributed.tensors.sequence). Every op but attention works
 token by token, so the rotated layers run unchanged; attention is hf_rtp's ring attention (layers.attention),
 reached through transformers' own attention interface; rotary embeddings compute from the whole sequence's
 positions; the loss is vanilla's over the whole sequence. One module a job, so that a new keyword or model

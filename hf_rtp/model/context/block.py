@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed.agreement import agreed
-from ...distributed.sequence import SequenceLayout
+from ...distributed.ranks.agreement import agreed
+from ...distributed.tensors.sequence import SequenceLayout
 from ...errors import HfRtpError, SettingError
 from ...private.transformers_names import attention_implementation, set_attention_implementation, supports_sdpa
 from ..heads import is_causal_lm

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ...distributed.agreement import agreed
-from ...distributed.transport import backend_map
+from ...distributed.ranks.agreement import agreed
+from ...distributed.transport.backends import backend_map
 from ...errors import SettingError
 from .interface import trust_kernels
 from .run import IGNORE_INDEX, ContextRun, Facts

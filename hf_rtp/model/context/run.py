@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed.ring import Ring
-from ...distributed.sequence import SequenceLayout
+from ...distributed.tensors.sequence import SequenceLayout
+from ...distributed.transport.ring import Ring
 from ...errors import SettingError
 
 ATTENTION = "hf_rtp_context"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...distributed.ring import Ring
+from ...distributed.transport.ring import Ring
 from ...layers import RotatedLinear
 from ...model.forward import install_forward
 

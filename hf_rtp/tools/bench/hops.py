@@ -86,8 +86,8 @@ def _bare_backward(group, own, buffers, grads, home, x, grad_out, grad_in, world
 
 def main(argv=None) -> None:
     """One rank: the timings as one JSON line."""
-    from ...distributed.ring import Ring
-    from ...distributed.sharding import ChunkLayout
+    from ...distributed.tensors.sharding import ChunkLayout
+    from ...distributed.transport.ring import Ring
 
     p = argparse.ArgumentParser()
     p.add_argument("--walks", type=int, default=200, help="walks per round")

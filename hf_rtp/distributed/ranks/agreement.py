@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from ..errors import CLASSES, HfRtpError
+from ...errors import CLASSES, HfRtpError
 
 
 @contextmanager

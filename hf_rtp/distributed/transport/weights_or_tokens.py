@@ -1,6 +1,6 @@
 """What a forward's rotated ops move, weights or tokens: the policy, from numbers every rank agreed.
 
-A forward with few tokens (a decode step) moves the tokens instead of the weights (distributed/token_walk.py):
+A forward with few tokens (a decode step) moves the tokens instead of the weights (distributed/transport/token_walk.py):
 each rank applies its own chunk to every rank's tokens, and the outputs travel home. Which one an op moves is
 decided per call from `Traffic`, which every rank of the ring agreed at the forward's start (model/traffic.py),
 so every rank walks the same way.

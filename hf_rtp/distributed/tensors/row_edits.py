@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..errors import RotatedStateError
-from ..private.torch_names import local_tensor
+from ...errors import RotatedStateError
+from ...private.torch_names import local_tensor
 from .sharding import chunk_rows
 
 _HOW = (

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..errors import CollectiveMisuseError, RotatedStateError
-from ..private.torch_names import (
+from ...errors import CollectiveMisuseError, RotatedStateError
+from ...private.torch_names import (
     SUBCLASS_DISPATCH_BYPASSED,
     OpOverload,
     OpOverloadPacket,
@@ -41,7 +41,9 @@ from ..private.torch_names import (
     overload,
     set_implicit_replication,
 )
-from . import blockwise, rendezvous, row_edits, transport
+from ..ranks import rendezvous
+from ..transport import backends as transport
+from . import blockwise, row_edits
 from .sharding import chunk_rows
 
 _PICKLE_REFUSED = (
@@ -84,7 +86,7 @@ class RotationMesh(DeviceMesh):
     tensor (full_tensor, redistribute) meets, so that a rank skipping it is named within that timeout"""
     entry_timeout: timedelta
     host: DeviceMesh | None
-    """where the group's collectives need host copies of this mesh's tensors (transport.staged: gloo serving CUDA
+    """where the group's collectives need host copies of this mesh's tensors (backends.staged: gloo serving CUDA
     tensors), the same group as a CPU mesh, which gathers take instead (`_gathered`); else None"""
 
     @classmethod
@@ -549,7 +551,7 @@ def rotated_rows(like: DTensor, rows: torch.Tensor) -> RotatedTensor:
 
 
 def rotated_scales(param: DTensor, block: int = blockwise.BLOCK) -> RotatedTensor:
-    """Zeros for the block scales of a rotated parameter's 8-bit optimizer state (distributed/blockwise.py)."""
+    """Zeros for the block scales of a rotated parameter's 8-bit optimizer state (distributed/tensors/blockwise.py)."""
     return _marked(blockwise.zero_scales(param, block))
 
 

@@ -3,7 +3,7 @@
 Not from the world's backend string: `init_process_group()` with no backend reports `'undefined'` from
 `get_backend()` (torch then starts gloo for CPU tensors and NCCL for CUDA ones), torchtitan passes
 `"cuda:nccl,cpu:gloo"`, accelerate `"nccl"`. `get_backend_config()` says which backend serves which device
-type, whatever the string was; this module reads it. It communicates nothing: the ring (distributed/ring.py)
+type, whatever the string was; this module reads it. It communicates nothing: the ring (distributed/transport/ring.py)
 posts the messages the way decided here, and the collectives outside the ring ask `staged` whether to take host
 copies.
 
@@ -11,7 +11,7 @@ copies.
   (NCCL's point-to-point docs; pytorch #132852), so every hop's sends and receives are posted together
   (`batch_isend_irecv`), or a ring of two deadlocks on a hop larger than NCCL's internal buffers. NCCL
   ignores tags and does not raise when a peer dies: the ring adds a header to each hop and a watch
-  (distributed/watch.py) to keep its promises there.
+  (distributed/transport/watch.py) to keep its promises there.
 - "plain": gloo on CPU tensors. Plain sends and receives, one by one (gloo's batched path has been seen to hang),
   on the group itself where the ring is unwatched; tags keep kinds of message apart, and a wait raises past the
   group's timeout.
@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ..errors import TopologyError
+from ...errors import TopologyError
 
 Transport = Literal["batched", "plain", "staged"]
 # Which device types each backend can send point to point (torch's backend table: gloo's send/recv take CPU

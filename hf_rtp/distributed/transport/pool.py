@@ -2,7 +2,7 @@
 
 Two weight slots and two gradient slots, so a rotated op never holds more than its own chunk plus two foreign
 ones, and nothing is allocated per step. A forward that moves tokens moves no weights, so its messages use the
-weight slots too (distributed/token_walk.py).
+weight slots too (distributed/transport/token_walk.py).
 """
 
 from __future__ import annotations

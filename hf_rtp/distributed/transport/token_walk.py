@@ -1,8 +1,8 @@
 """Token walks: a rotated op that moves the tokens instead of the weights (a decode step, a short prefill).
 
 Each rank applies its own chunk to every rank's tokens, and the outputs travel home in an accumulator, as the
-weights' gradients do in backward (distributed/ring.py). Which ops walk this way is decided per call by
-distributed/weights_or_tokens.py, from numbers every rank agreed, so every rank walks the same way.
+weights' gradients do in backward (distributed/transport/ring.py). Which ops walk this way is decided per call by
+distributed/transport/weights_or_tokens.py, from numbers every rank agreed, so every rank walks the same way.
 
 The message: one per hop (gloo pays per message), carved from the ring's weight slots (a forward that moves
 tokens moves no weights): each token tensor padded to the agreed `bound` rows, then [the largest count seen so
@@ -20,11 +20,11 @@ from typing import Protocol
 
 import torch
 
-from ..errors import CollectiveMisuseError
-from ..private.torch_names import ASSERT_MESSAGE_LIMIT, assert_async, version
+from ...errors import CollectiveMisuseError
+from ...private.torch_names import ASSERT_MESSAGE_LIMIT, assert_async, version
+from ..tensors.sharding import ChunkLayout
 from .pending import Pending
 from .pool import BufferPool
-from .sharding import ChunkLayout
 
 Bundle = Sequence[torch.Tensor]
 Rows = tuple[int, int]
@@ -48,7 +48,7 @@ def _unread_message(global_shapes: tuple[torch.Size, ...]) -> str:
 
 
 class Hops(Protocol):
-    """What a token walk needs of its ring (distributed/ring.py's Ring)."""
+    """What a token walk needs of its ring (distributed/transport/ring.py's Ring)."""
 
     rank: int
     size: int

@@ -23,8 +23,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..errors import RotatedStateError
-from ..private.torch_names import local_tensor, op_schema
+from ...errors import RotatedStateError
+from ...private.torch_names import local_tensor, op_schema
 from .sharding import chunk_rows
 
 BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state (Optimizer1State/Optimizer2State.init_state)

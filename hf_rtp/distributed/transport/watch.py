@@ -4,7 +4,7 @@ On NCCL `work.wait()` only orders the current stream after the transfer: it retu
 when the peer died, stopped or skipped the walk. The host learns at its next synchronisation, which then
 blocks until NCCL's watchdog aborts the process after the group's timeout, with a message about a SEND or
 RECV, not about the call some rank skipped. And NCCL ignores tags, so ranks whose walks disagree would read
-one kind of message as another (distributed/ring.py adds a header to each hop and compares it on the device).
+one kind of message as another (distributed/transport/ring.py adds a header to each hop and compares it on the device).
 
 The watch keeps hf_rtp's promise there without a host synchronisation per hop: it holds the hops in flight
 in the order they were posted (a ring's hops complete in that order, on one stream) and polls the oldest
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import CollectiveMisuseError
+from ...errors import CollectiveMisuseError
 
 logger = logging.getLogger("hf_rtp")  # log.py's, whose module reaches transformers: not for this layer
 _POLL_S = 0.2  # how often the oldest hop is looked at while any is in flight: a timeout is minutes

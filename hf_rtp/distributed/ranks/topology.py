@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..errors import TopologyError
-from ..settings import Settings
+from ...errors import TopologyError
+from ...settings import Settings
+from ..tensors.rotated import RotationMesh
+from ..transport.backends import transport_for
+from ..transport.ring import WATCH_GRACE_S, Ring
 from . import rendezvous
 from .agreement import agreed
 from .groups import group, init_world
-from .ring import WATCH_GRACE_S, Ring
-from .rotated import RotationMesh
-from .transport import transport_for
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def setup(settings: Settings, device_mesh: DeviceMesh | None = None, rtp_size: i
     # for its mesh; per column of the grid one to average rotated gradients over replicas; over everyone
     # one for replicated gradients and two small gloo ones for agreement and for meeting at entry.
     columns = [tuple(column) for column in zip(*rows, strict=True)]
-    ring_timeout = timeout  # on NCCL the ring's watch names a lost rank first (distributed/watch.py)
+    ring_timeout = timeout  # on NCCL the ring's watch names a lost rank first (distributed/transport/watch.py)
     if transport_for(backend, device.type) == "batched":
         ring_timeout += timedelta(seconds=2 * WATCH_GRACE_S)
     ring_groups = {row: group("ring", row, backend, ring_timeout) for row in rows if len(row) > 1}

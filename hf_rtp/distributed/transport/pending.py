@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import CollectiveMisuseError
+from ...errors import CollectiveMisuseError
 
 WAITED = "waited for its ring neighbour"
 """what a failed wait says was waited for, where the caller names nothing more precise"""
@@ -24,7 +24,7 @@ class Pending:
         failed: Callable[[], object] | None = None,
     ):
         """`failed`: called when a wait fails, before the error here is raised: a watched ring's
-        (distributed/watch.py) raises the failure its watch already named instead."""
+        (distributed/transport/watch.py) raises the failure its watch already named instead."""
         self._works, self._what, self._after, self._failed = works, what, after, failed
 
     def wait(self) -> None:

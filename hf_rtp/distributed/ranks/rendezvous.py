@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveMisuseError
+from ...errors import CollectiveMisuseError
 
 PAYLOAD = 6  # integers a meeting carries beside the call's name: one fixed width, whatever the call
 

@@ -4,11 +4,12 @@ Rank r sends to r+1 and receives from r-1 on a process group of its own (DESIGN.
 walks the ring through `forward_walk` / `backward_walk` and supplies the math as callbacks, so the
 overlap (transfer of the next chunk while computing on the held one), the double buffering and the
 travelling gradient accumulator live here once, not in every layer. `exchange` is one hop, posted the way
-the group's backend wants (distributed/transport.py) and watched where waits do not raise (distributed/watch.py).
+the group's backend wants (distributed/transport/backends.py) and watched where waits do not raise
+(distributed/transport/watch.py).
 
-Beside it, each alone: distributed/pool.py (the slots foreign pieces land in, shared by every layer:
-DESIGN.md I3), distributed/token_walk.py (ops that move the tokens instead of the weights: their message
-and mechanism, on this file's hops) and distributed/weights_or_tokens.py (which of the two an op does).
+Beside it, each alone: distributed/transport/pool.py (the slots foreign pieces land in, shared by every layer:
+DESIGN.md I3), distributed/transport/token_walk.py (ops that move the tokens instead of the weights: their message
+and mechanism, on this file's hops) and distributed/transport/weights_or_tokens.py (which of the two an op does).
 
 A chunk larger than `piece_bytes` (16 MB by default) walks the ring as several pieces, one full
 walk per piece (rows cut again by the torch.chunk rule). The pool is then sized by the largest
@@ -32,16 +33,16 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import faults
-from ..settings import DEFAULT_PIECE_SIZE, parse_size
+from ... import faults
+from ...settings import DEFAULT_PIECE_SIZE, parse_size
+from ..tensors.replicas import ReplicaSum
+from ..tensors.sharding import ChunkLayout
+from .backends import Transport, transport_for
 from .pending import WAITED, Pending
 from .pool import BufferPool
-from .replicas import ReplicaSum
-from .sharding import ChunkLayout
 from .token_walk import OUTPUT_TAG, TOKEN_GRAD_TAG, TOKEN_TAG, Bundle, Rows
 from .token_walk import token_walk as _token_walk
 from .token_walk import visit_walk as _visit_walk
-from .transport import Transport, transport_for
 from .watch import Watch
 from .weights_or_tokens import Traffic
 
@@ -87,8 +88,8 @@ class Ring:
         watched: bool | None = None,
     ):
         """`device`: where the ring's tensors live; with the group's backends it decides the `transport`
-        (distributed/transport.py; given: forced, as tests do). `watched` (default: on NCCL, "batched") puts
-        a header on every hop and a watch on the hops in flight (distributed/watch.py), so a rank that dies or
+        (distributed/transport/backends.py; given: forced, as tests do). `watched` (default: on NCCL, "batched") puts
+        a header on every hop and a watch on the hops in flight (distributed/transport/watch.py), so a rank that dies or
         walks differently fails within `timeout_s` by name where waits do not raise and tags are ignored; a
         watched ring sends no tags, as NCCL would ignore them, so a test over gloo shows the headers alone."""
         self.group = group
@@ -97,7 +98,7 @@ class Ring:
         """chunks larger than this walk the ring in pieces (from_pretrained's rotation_piece_size)"""
         self.replica_sum = ReplicaSum(replicas, replica_count) if replicas is not None else None
         """on a 2-D grid (`replicas`: this ring's rank in every other replica, the same chunk with other
-        data), what sums rotated gradients over them after autograd accumulates them (distributed.replicas)"""
+        data), what sums rotated gradients over them after autograd accumulates them (distributed.tensors.replicas)"""
         self.reduce_dtype = reduce_dtype
         """the dtype gradient accumulators travel and are summed in (None: the parameter's)"""
         if group is None:
@@ -134,7 +135,7 @@ class Ring:
         """from_pretrained's rotation_moves: what a forward's ops move ("auto": what costs less)"""
         self._traffic: Traffic | None = None
         # the last tokens moved, and the other ranks' that arrived with them: an op on the same tokens (k_proj and
-        # v_proj after q_proj, up_proj after gate_proj) moves only its outputs (distributed/token_walk.py)
+        # v_proj after q_proj, up_proj after gate_proj) moves only its outputs (distributed/transport/token_walk.py)
         self.moved: tuple[Bundle, tuple | None, int, list[Bundle]] | None = None
         self.token_walks = 0  # how many ops moved tokens instead of weights: tests and the bench read it
         # Bytes this rank sent to its neighbour (and replica_sum.reduced_bytes: all-reduced over its replicas),
@@ -427,7 +428,7 @@ class Ring:
     """What this rank's own forward brought, its tokens and those its LM head sees, beside the `traffic` every rank
     agreed on (model/traffic.py; None outside a forward): token_walk's `brought`."""
 
-    # a forward that moves the tokens instead of the weights: distributed/token_walk.py says how
+    # a forward that moves the tokens instead of the weights: distributed/transport/token_walk.py says how
     token_walk = _token_walk
     # a backward whose products stay where they are made (an embedding's weight gradient): the tokens visit each rank
     visit_walk = _visit_walk

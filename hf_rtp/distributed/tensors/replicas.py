@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import faults
-from ..private.torch_names import current_graph_task_id, queue_callback, will_engine_execute_node
-from .pending import Pending
+from ... import faults
+from ...private.torch_names import current_graph_task_id, queue_callback, will_engine_execute_node
+from ..transport.pending import Pending
 
 _WAITED = "waited for the other replicas' gradients"
 
 
 def _accumulator(local: torch.Tensor | None):
-    """The AccumulateGrad node of the parameter `local` is the chunk of (via distributed.rotated.local_chunk)."""
+    """The AccumulateGrad node of the parameter `local` is the chunk of (via
+    distributed.tensors.rotated.local_chunk)."""
     node = getattr(local, "grad_fn", None)
     if node is None or not node.next_functions:
         return None
