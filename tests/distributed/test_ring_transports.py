@@ -90,6 +90,7 @@ def _disagreeing_walks():
     send, recv = torch.arange(4.0), torch.empty(4)
     # The same shapes, other kinds: over NCCL (no tags) these match and the values would be read as the other's.
     ring.exchange([send], [recv], _WEIGHT_TAG if ring.rank == 0 else _GRAD_TAG).wait()
+    ring.walked()  # a walk's end: its hops' header checks go to the watch (every walk of the ring's calls it)
     deadline = time.monotonic() + 20
     while ring._watch.failure is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -236,12 +236,14 @@ def test_hop_cost_mode_times_a_hop_beside_a_bare_loop_of_the_same_exchanges(tmp_
     (row,) = result["rows"]
     # at 2 ranks a forward walk makes 1 hop, a backward walk 1 of weights and 1 of gradient accumulators
     assert row["world_size"] == 2 and row["exchanges_per_walk"] == 3
+    assert row["watched_messages_per_hop"] == 2  # a watched hop is one message each way, its header inside
     for key in ("us_per_hop", "cpu_us_per_hop"):  # wall time, and the host thread's own time
-        assert set(row[key]) == {"walk forward", "bare forward", "walk backward", "bare backward"}
+        cases = {f"{case} {way}" for case in ("walk", "watched", "bare") for way in ("forward", "backward")}
+        assert set(row[key]) == cases
         assert all(t > 0 for t in row[key].values())
-        ratio = row[key.replace("us_per_hop", "ratio")]  # walk / bare within each rank, the worst rank's
-        worst = max(r[key]["walk forward"] / r[key]["bare forward"] for r in row["ranks"])
-        assert set(ratio) == {"forward", "backward"} and ratio["forward"] == worst
+        ratio = row[key.replace("us_per_hop", "ratio")]  # each / bare within each rank, the worst rank's
+        worst = max(r[key]["watched backward"] / r[key]["bare backward"] for r in row["ranks"])
+        assert set(ratio) == cases - {"bare forward", "bare backward"} and ratio["watched backward"] == worst
     assert all("rss_samples" not in r for r in row["ranks"])  # a results file of timings, not of memory samples
     printed = capsys.readouterr().out
     assert "wall time per hop" in printed and "the host thread's CPU time per hop" in printed

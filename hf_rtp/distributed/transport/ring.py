@@ -50,6 +50,9 @@ _CPU = torch.device("cpu")
 _WEIGHT_TAG = 0
 _GRAD_TAG = 64
 _COLLECT_TAG = 128
+_FOLD_EVERY = 64  # hops between two header checks at most, where a walk is longer
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd: digest * _MIX + header mixes every header in, in order (as int64)
+_SIGN, _WRAP = 1 << 63, 1 << 64
 _KINDS = {
     _WEIGHT_TAG: "weights",
     _GRAD_TAG: "gradients",
@@ -126,10 +129,18 @@ class Ring:
             )
         self._plain = self._watch is None and self.transport == "plain"  # posted by `exchange` itself, directly
         self._next_in_group, self._prev_in_group = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self._hops: torch.Tensor | None = None  # the watched ring's hops so far, on the device: headers carry it
-        self._tags: dict[int, torch.Tensor] = {}
         self._likes: dict[tuple, torch.Tensor] = {}
+        # A watched ring's header check: every header that arrives is folded into `_digest` on the device (digest * M
+        # + header, int64, in order), the headers this rank sent into `_expected` on the host the same way; `walked`
+        # compares the two once a walk, into `_mismatch`, which the watch reads without waiting. One small kernel a
+        # hop, one a walk; a header out of place or of another kind changes the digest for good.
+        self._digest: torch.Tensor | None = None
+        self._expected = 0
+        self._unchecked = 0  # hops since the last `walked`
+        self._in_flight = 0  # headers sent whose hop was not waited for yet: not in the digest, already expected
+        self._checked_kinds: set[int] = set()
         self._mismatch: torch.Tensor | None = None
+        self._whats = {k: f"a hop of {kind} from global rank {self._prev}" for k, kind in _KINDS.items()}
         self.pool = BufferPool()
         self.moves = "auto"
         """from_pretrained's rotation_moves: what a forward's ops move ("auto": what costs less)"""
@@ -142,6 +153,7 @@ class Ring:
         # what hf_rtp/tools/cost.py models
         self.sent_bytes = 0
         self.exchanges = 0  # hops this rank posted (each a send to the next rank and a receive from the previous)
+        self.messages = 0  # messages this rank posted, sends and receives: two a hop where the hop is one message
 
     @property
     def traffic(self) -> Traffic | None:
@@ -178,20 +190,33 @@ class Ring:
             for i, t in enumerate(recv):
                 if t.nbytes:
                     works.append(group.recv([t], self._prev_in_group, tag + i))
+            self.messages += len(works)
             return Pending(works, self._waited)
+        if self._watch is not None:
+            out, into = self.pool.wire(send), self.pool.wire(recv)
+            if out is not None and into is not None:  # a walk's hop: its tensors and header as one message
+                self.exchanges += 1
+                self.sent_bytes += sum(t.numel() * t.element_size() for t in send)
+                value = self._header(tag)
+                out[1].fill_(value)  # a fill's value is the kernel's argument: nothing copied from the host
+                peers = [(dist.isend, out[0], self._next, 0), (dist.irecv, into[0], self._prev, 0)]
+                after = functools.partial(self._compare, into[1])
+                return self._post(peers, self._whats[tag], after, self._waited)
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
         self.sent_bytes += sum(t.numel() * t.element_size() for t, _ in sends)
         self.exchanges += 1
-        what, after = "", None  # what names a hop only to a watch: no string built per hop otherwise
-        if self._watch is not None:
-            what = f"a hop of {_KINDS[tag]} from global rank {self._prev}"
-            header = self._header(tag)
+        what = ""  # what names a hop only to a watch: no string built per hop otherwise
+        after_check: Callable[[], None] | None = None
+        if self._watch is not None:  # tensors not carved by the pool (a test's): the header as a message of its own
+            what = self._whats[tag]
+            value = self._header(tag)
+            header = torch.empty(1, dtype=torch.int64, device=self.device).fill_(value)
             arrived = torch.empty_like(header)
             sends, recvs = [*sends, (header, tag)], [*recvs, (arrived, tag)]
-            after = functools.partial(self._compare, header, arrived, what)
+            after_check = functools.partial(self._compare, arrived)
         peers = [(dist.isend, t, self._next, k) for t, k in sends] + [(dist.irecv, t, self._prev, k) for t, k in recvs]
-        return self._post(peers, what, after, self._waited)
+        return self._post(peers, what, after_check, self._waited)
 
     def _post(self, peers: list, what: str, after: Callable[[], None] | None = None, waited: str = WAITED) -> Pending:
         """Post `peers` ((isend or irecv, tensor, global rank, tag)) the way the transport wants; `after` runs once
@@ -202,6 +227,7 @@ class Ring:
             # watched from before the post: NCCL connects a pair at its first message, blocking the host until the
             # neighbour comes; a neighbour that never does is named after HF_RTP_TIMEOUT like a hop in flight
             entry = watch.begin(what)
+        self.messages += len(peers)
         try:
             if self.transport == "batched":  # NCCL: a hop's sends and receives posted together, or a ring deadlocks
                 ops = [dist.P2POp(op, t, peer, self.group, k) for op, t, peer, k in peers]
@@ -226,8 +252,15 @@ class Ring:
         message that lands in host memory first."""
         tagged = self._watch is None  # a watched ring sends no tags: NCCL would ignore them, headers tell instead
         staged = self.transport == "staged"
+        group = self.group
+        assert group is not None  # a ring of one posts nothing
         works, landings = [], []
         for op, t, peer, k in peers:
+            if not staged and peer in (self._next, self._prev):  # a neighbour: on the group itself, as `exchange` posts
+                inner = self._next_in_group if peer == self._next else self._prev_in_group
+                tag = k if tagged else 0
+                works.append(group.send([t], inner, tag) if op is dist.isend else group.recv([t], inner, tag))
+                continue
             wire = t
             if staged:
                 wire = t.to("cpu") if op is dist.isend else torch.empty(t.shape, dtype=t.dtype)
@@ -236,25 +269,40 @@ class Ring:
             works.append(op(wire, peer, group=self.group, tag=k if tagged else 0))
         return works, landings
 
-    def _header(self, tag: int) -> torch.Tensor:
-        """What a watched hop carries beside its tensors: its kind and how many hops this rank made before it.
-        Made on the device from tensors kept there, so no hop copies anything from the host."""
-        if self._hops is None:
-            self._hops = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._mismatch = torch.zeros(1, dtype=torch.bool, device=self.device)
-        hops = self._hops
-        if tag not in self._tags:
-            self._tags[tag] = torch.full((1,), tag, dtype=torch.int64, device=hops.device)
-        header = torch.cat((self._tags[tag], hops))  # a new tensor: the next hop's count cannot race its send
-        hops.add_(1)
-        return header
+    def _header(self, tag: int) -> int:
+        """What a watched hop carries beside its tensors: its kind and how many hops this rank made before it, as one
+        int64 (the kinds' tags are below 256). Known on the host, so it is written by a fill (its value is the
+        kernel's argument: nothing is copied from the host), and the digest it is checked by is computed here."""
+        value = (self.exchanges << 8) | tag
+        self._expected = (self._expected * _MIX + value + _SIGN) % _WRAP - _SIGN  # int64 arithmetic, as the device's
+        self._checked_kinds.add(tag)
+        self._unchecked += 1
+        self._in_flight += 1
+        return value
 
-    def _compare(self, header: torch.Tensor, arrived: torch.Tensor, what: str) -> None:
-        """After a watched hop: a header other than this rank's own (the kind and count it is at) sets the
-        mismatch flag, on the device; the watch reads it without waiting (Watch.flag)."""
-        assert self._watch is not None and self._mismatch is not None
-        torch.logical_or(self._mismatch, (arrived != header).any(), out=self._mismatch)
-        self._watch.flag(self._mismatch, what)
+    def _compare(self, arrived: torch.Tensor) -> None:
+        """After a watched hop: the header that arrived folded into the device's digest (one kernel, no read)."""
+        if self._digest is None:
+            self._digest = torch.zeros(1, dtype=torch.int64, device=arrived.device)
+            self._mismatch = torch.zeros(1, dtype=torch.bool, device=arrived.device)
+        torch.add(arrived, self._digest, alpha=_MIX, out=self._digest)
+        self._in_flight -= 1
+        if self._unchecked >= _FOLD_EVERY:  # a long walk (many pieces, many ranks) is checked on the way
+            self.walked()
+
+    def walked(self) -> None:
+        """The end of a walk: on a watched ring, the digest of the headers that arrived compared with the headers this
+        rank sent (every rank makes the same hops in the same order), into the mismatch flag, which the watch reads
+        without waiting (Watch.flag): one compare, one flag copy and one event a walk, not a hop. Every walk calls it
+        (token walks too); elsewhere it does nothing."""
+        count = self._unchecked
+        if not count or self._digest is None or self._in_flight:  # a hop in flight: its header is not in the digest
+            return
+        assert self._watch is not None and self._mismatch is not None  # made by watched hops only
+        torch.ne(self._digest, self._expected, out=self._mismatch)  # latched: digests that differ stay different
+        kinds = " or ".join(sorted(_KINDS[k] for k in self._checked_kinds))
+        self._unchecked, self._checked_kinds = 0, set()
+        self._watch.flag(self._mismatch, f"one of {count} hops of {kinds} from global rank {self._prev}")
 
     def pieces(self, layout: ChunkLayout, like: torch.Tensor) -> int:
         """How many pieces each chunk of `layout` walks the ring in (1 on a ring of one)."""
@@ -294,8 +342,17 @@ class Ring:
         return dtype
 
     def _held(self, own: Bundle, layout: ChunkLayout, rows: Rows, dtype: torch.dtype) -> list[torch.Tensor]:
-        """This rank's piece in the travel dtype: a cast copy of one piece at most, made once per walk."""
+        """This rank's piece in the travel dtype: a cast copy of one piece at most, made once per walk. On a watched
+        ring, in the weights' slot 1 (the first hop receives into slot 0), so that the first hop is one message,
+        its header after it (the pool's room), as every other hop is: under autocast that is where the cast lands,
+        otherwise one copy of the piece a walk, on the device."""
         piece = self.own_piece(own, layout, rows)
+        if self._watch is not None:
+            like = self._like(piece[0], dtype if piece[0].is_floating_point() else piece[0].dtype)
+            staged = self.pool.take("weights", 1, [t.shape for t in piece], like)
+            for slot, t in zip(staged, piece, strict=True):
+                slot.copy_(t)
+            return staged
         return [t.to(dtype) if t.dtype != dtype and t.is_floating_point() else t for t in piece]
 
     def forward_walk(
@@ -327,6 +384,7 @@ class Ring:
                 if not last:
                     pending.wait()
                     index, held, rows = following, incoming, next_rows
+        self.walked()
 
     def backward_walk(
         self,
@@ -412,6 +470,7 @@ class Ring:
                         for m, arrived in zip(mine, landing, strict=True):
                             m.add_(arrived)
                 index = following
+        self.walked()
         return home if home is None or reduced.dtype == like.dtype else [h.to(like.dtype) for h in home]
 
     def slot_bytes(self, like: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from ...errors import CollectiveMisuseError
 from ...private.torch_names import ASSERT_MESSAGE_LIMIT, assert_async, version
 from ..tensors.sharding import ChunkLayout
 from .pending import Pending
-from .pool import BufferPool
+from .pool import BufferPool, header_room
 
 Bundle = Sequence[torch.Tensor]
 Rows = tuple[int, int]
@@ -61,6 +61,8 @@ class Hops(Protocol):
     def exchange(self, send: Bundle, recv: Bundle, tag: int) -> Pending: ...
 
     def own_piece(self, own: Bundle, layout: ChunkLayout, rows: Rows) -> list[torch.Tensor]: ...
+
+    def walked(self) -> None: ...
 
 
 def _message_bytes(specs) -> int:
@@ -172,6 +174,7 @@ def token_walk(
             ring.exchange([message], [arrivals[step]], TOKEN_TAG).wait()
             *others, seen, landing = _views(arrivals[step], hop)
         acc = landing
+    ring.walked()
     largest = _largest(ring, most, reads, layout, bound, count)  # every rank's, after N-1 token hops
     if largest > bound:
         return largest
@@ -215,6 +218,7 @@ def _walk_outputs(
         landing = buffers[step % 2]
         ring.exchange([acc], [landing], OUTPUT_TAG).wait()
         acc = landing
+    ring.walked()
     (fold or torch.Tensor.add_)(out, acc[:count])
 
 
@@ -242,14 +246,18 @@ def visit_walk(ring: Hops, tokens: Bundle, fill: Sequence[float], bound: int, vi
         pending = ring.exchange([sending], [landing], TOKEN_GRAD_TAG)
         visit(tokens if step == 1 else _views(sending, specs))  # this rank's own first, then what came last hop
         pending.wait()
+    ring.walked()
     visit(_views(slots[(ring.size - 1) % 2], specs))
 
 
 def _carve(ring: Hops, slot: int, sizes: Sequence[int], like: torch.Tensor) -> list[torch.Tensor]:
     """uint8 regions of `sizes` bytes (each at an offset aligned to 8) from the weights' slot `slot`: a forward
     that moves tokens moves no weights, so their buffers hold the tokens (Traffic keeps them small enough).
-    Taken as `like`'s dtype (the matmuls'), which sizes a slot as the weights' walks size it."""
-    padded = [n + (-n) % 8 for n in sizes]
+    Taken as `like`'s dtype (the matmuls'), which sizes a slot as the weights' walks size it. Each region is
+    followed by its header's room (pool.header_room), so a watched ring sends it with its header as one message;
+    the first hop's message, a prefix of `message`, puts its header in the accumulator's part, unused until
+    later hops copy the accumulator there."""
+    padded = [header_room(n) for n in sizes]
     (flat,) = ring.pool.take("weights", slot, [torch.Size((-(-sum(padded) // like.element_size()),))], like)
     raw, regions, offset = flat.view(torch.uint8), [], 0
     for n, room in zip(sizes, padded, strict=True):

@@ -6,6 +6,9 @@ little, so what a hop costs is mostly host time. Each rank times, in one run:
 
 - walk: `Ring.forward_walk` with a tiny matmul per piece, and `Ring.backward_walk` with the two matmuls of a
   linear's backward (the weight's share into the travelling accumulator, the input's gradient);
+- watched: the same walks on a watched ring (NCCL's: every hop one message with its header inside, the headers'
+  digest checked once a walk, a watch thread over the hops in flight), over gloo, so that what the watch costs the
+  host is measured on every machine;
 - bare: a loop of the same exchanges (the group's own `send` / `recv` to the same neighbours, the same tensors, as
   the ring posts them on gloo) and the same matmuls, with nothing else.
 
@@ -100,6 +103,7 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))  # hf_rtp's rings talk on groups of their own
     ring = Ring(group)
+    watched = Ring(dist.new_group(list(range(world))), watched=True, timeout_s=600.0)  # a group of its own, as NCCL's
     layout = ChunkLayout((torch.Size((world * ROWS, COLS)),), world)
     gen = torch.Generator().manual_seed(rank)
     own = torch.randn(ROWS, COLS, generator=gen)
@@ -110,6 +114,7 @@ def main(argv=None) -> None:
     grads = [torch.empty(ROWS, COLS) for _ in range(2)]
     home = torch.empty(ROWS, COLS)
     ring.plan(layout, own)
+    watched.plan(layout, own)
 
     def compute(rows, held):
         out[:, rows[0] : rows[1]] = x @ held[0].T
@@ -122,8 +127,10 @@ def main(argv=None) -> None:
 
     cases = {
         "walk forward": lambda: ring.forward_walk([own], layout, compute),
+        "watched forward": lambda: watched.forward_walk([own], layout, compute),
         "bare forward": lambda: _bare_forward(group, own, buffers, x, out, world, rank),
         "walk backward": lambda: ring.backward_walk([own], layout, accumulate, input_grad),
+        "watched backward": lambda: watched.backward_walk([own], layout, accumulate, input_grad),
         "bare backward": lambda: _bare_backward(group, own, buffers, grads, home, x, grad_out, grad_in, world, rank),
     }
     for case in cases.values():  # warm: the pool's slots, gloo's pairs
@@ -160,11 +167,15 @@ def main(argv=None) -> None:
             for name, s in rounds.items()
         }
 
-    exchanges_before = ring.exchanges
-    ring.forward_walk([own], layout, compute)
-    ring.backward_walk([own], layout, accumulate, input_grad)
+    exchanges_before, messages_before = watched.exchanges, watched.messages
+    watched.forward_walk([own], layout, compute)
+    watched.backward_walk([own], layout, accumulate, input_grad)
+    assert watched._watch is not None
+    watched._watch.check()  # the headers matched all along
     print(json.dumps({"rank": rank, "world_size": world, "us_per_hop": per_hop(wall), "cpu_us_per_hop": per_hop(host),
-                      "exchanges_per_walk": ring.exchanges - exchanges_before}))  # fmt: skip
+                      "exchanges_per_walk": watched.exchanges - exchanges_before,
+                      "watched_messages_per_hop": (watched.messages - messages_before)
+                      / (watched.exchanges - exchanges_before)}))  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -181,25 +192,35 @@ def run(args, sizes: list[int]) -> dict:
         print(f"hop cost on {n} ranks ...", flush=True)
         reports = run_ranks(__name__, ["--walks", str(args.steps), "--rounds", "6"], n, timeout=args.timeout)
         reports = [{k: v for k, v in r.items() if k != "rss_samples"} for r in reports]  # memory is not this mode's
-        row: dict = {"world_size": n, "exchanges_per_walk": reports[0]["exchanges_per_walk"], "ranks": reports}
+        row: dict = {
+            "world_size": n,
+            "exchanges_per_walk": reports[0]["exchanges_per_walk"],
+            "watched_messages_per_hop": max(r["watched_messages_per_hop"] for r in reports),
+            "ranks": reports,
+        }
         for key in ("us_per_hop", "cpu_us_per_hop"):
             row[key] = {k: max(r[key][k] for r in reports) for k in reports[0][key]}  # the slowest rank's
             # walk / bare within each rank (one rank's walk is never divided by another's bare), the worst rank's
             row[key.replace("us_per_hop", "ratio")] = {
-                way: max(r[key][f"walk {way}"] / r[key][f"bare {way}"] for r in reports)
+                f"{case} {way}": max(r[key][f"{case} {way}"] / r[key][f"bare {way}"] for r in reports)
+                for case in ("walk", "watched")
                 for way in ("forward", "backward")
             }
         rows.append(row)
     for key, title in (("us_per_hop", "wall time"), ("cpu_us_per_hop", "the host thread's CPU time")):
         ratio = key.replace("us_per_hop", "ratio")
-        print(f"\n{title} per hop (us), the slowest rank's; walk / bare, the worst rank's; tiny pieces over gloo")
-        print(f"{'N':>2} {'walk fwd':>9} {'bare fwd':>9} {'ratio':>6} {'walk bwd':>9} {'bare bwd':>9} {'ratio':>6}")
+        print(f"\n{title} per hop (us), the slowest rank's; each / bare, the worst rank's; tiny pieces over gloo")
+        print(f"{'N':>2} {'way':>8} {'bare':>8} {'walk':>8} {'ratio':>6} {'watched':>8} {'ratio':>6}")
         for row in rows:
             t, q = row[key], row[ratio]
-            print(
-                f"{row['world_size']:>2} {t['walk forward']:9.1f} {t['bare forward']:9.1f} {q['forward']:6.2f} "
-                f"{t['walk backward']:9.1f} {t['bare backward']:9.1f} {q['backward']:6.2f}"
-            )
+            for way in ("forward", "backward"):
+                print(
+                    f"{row['world_size']:>2} {way:>8} {t[f'bare {way}']:8.1f} {t[f'walk {way}']:8.1f} "
+                    f"{q[f'walk {way}']:6.2f} {t[f'watched {way}']:8.1f} {q[f'watched {way}']:6.2f}"
+                )
+    for row in rows:
+        messages = row["watched_messages_per_hop"]
+        print(f"{row['world_size']} ranks: a watched hop posts {messages:.0f} messages (a send and a receive)")
     result = {"mode": "hop-cost", "walks_per_round": args.steps, "rows": rows}
     os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "results.json"), "w") as f:
