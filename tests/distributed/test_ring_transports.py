@@ -107,6 +107,42 @@ def test_walks_that_disagree_fail_by_name_on_every_rank_without_tags():
         assert "gradients" in message or "weights" in message, message
 
 
+def _disagreeing_walks_of_one_message():
+    """The same, through the walks themselves, where a hop is one message with its header inside: rank 0 walks a
+    forward (its weights travel), rank 1 a backward of the same layout with no input gradient (only its gradient
+    accumulator travels): a message of the same size each way, read as the other kind over NCCL."""
+    import torch.distributed as dist
+
+    from hf_rtp.distributed.tensors.sharding import ChunkLayout
+    from hf_rtp.distributed.transport.ring import Ring
+    from hf_rtp.errors import CollectiveMisuseError
+
+    dist.init_process_group("gloo")
+    ring = Ring(dist.new_group([0, 1], backend="gloo"), timeout_s=30.0, watched=True)
+    layout = ChunkLayout((torch.Size((4, 3)),), 2)
+    own = [torch.ones(2, 3)]
+    if ring.rank == 0:
+        ring.forward_walk(own, layout, lambda rows, piece: None)
+    else:
+        ring.backward_walk(own, layout, lambda rows, piece, acc: acc[0].add_(1.0), None)
+    messages = ring.messages
+    deadline = time.monotonic() + 20
+    while ring._watch.failure is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        ring.forward_walk(own, layout, lambda rows, piece: None)
+    except CollectiveMisuseError as err:
+        return str(err), messages
+    return None, messages
+
+
+def test_walks_that_disagree_fail_by_name_when_a_hop_is_one_message():
+    for message, messages in run_on_ranks(_disagreeing_walks_of_one_message, 2):
+        assert messages == 2  # the hop: one send, one receive, the header inside
+        assert message is not None and "walked it differently" in message, message
+        assert "global rank" in message and ("gradients" in message or "weights" in message), message
+
+
 def _unanswered_hop():
     import torch.distributed as dist
 

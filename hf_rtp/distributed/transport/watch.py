@@ -55,6 +55,7 @@ class Watch:
         self._flags: list = []  # [(event or None, flag, what)]: a header mismatch seen on the device, read unwaited
         self._host: torch.Tensor | None = None  # pinned: where a CUDA flag is copied to be read
         self._lock = threading.Condition()
+        self._idle = False  # the thread waits on `_lock` for work: only then does a new hop or flag notify it
         self._thread: threading.Thread | None = None
         self.failure: CollectiveMisuseError | None = None
         self._raised = False
@@ -63,19 +64,23 @@ class Watch:
         """A hop about to be posted, watched from now: on NCCL the post itself can block the host (a pair of ranks
         connects at its first message, and waits for the neighbour to come). `posted` gives it its works."""
         entry = [time.monotonic(), None, what]  # [posted at, works (None: still being posted), what]
-        with self._lock:
-            self._hops.append(entry)
-            if self._thread is None:
+        # No lock a hop: a deque's append and popleft are atomic, and the thread, before it waits for work, says so
+        # (`_idle`) and looks again under the lock, so a hop appended meanwhile is seen or wakes it.
+        self._hops.append(entry)
+        if self._thread is None:
+            with self._lock:
                 self._thread = threading.Thread(target=self._run, name="hf_rtp-ring-watch", daemon=True)
                 self._thread.start()
-            self._lock.notify()
+        if self._idle:
+            with self._lock:
+                self._lock.notify()
         return entry
 
     def posted(self, entry: list, works: list) -> None:
         """The works `begin`'s hop was posted as. No works (an empty hop, or a post that raised by itself) counts as
-        completed: the thread pops it in turn, as it pops every entry (removing it here would race its reads)."""
-        with self._lock:
-            entry[1] = works
+        completed: the thread pops it in turn, as it pops every entry (removing it here would race its reads). One
+        item's assignment, atomic: the thread reads the entry whole or sees it still being posted."""
+        entry[1] = works
 
     def flag(self, flag: torch.Tensor, what: str) -> None:
         """Watch `flag` (nonzero: a hop's header did not match): copied to host memory behind the work queued
@@ -96,7 +101,8 @@ class Watch:
             host, event = flag, None
         with self._lock:
             self._flags = [(event, host, what)]
-            self._lock.notify()
+            if self._idle:
+                self._lock.notify()
 
     def check(self) -> None:
         """Raise the failure the watch recorded, if any (the ring calls this at every hop, and a wait that failed
@@ -118,7 +124,10 @@ class Watch:
         while True:
             with self._lock:
                 while not self._hops and not self._flags:
-                    self._lock.wait()
+                    self._idle = True
+                    if not self._hops and not self._flags:  # looked at again after saying so: no wake-up is lost
+                        self._lock.wait(timeout=_POLL_S * 5)
+                    self._idle = False
                 hops, flags = self._hops, list(self._flags)
             problem = None
             for event, host, what in flags:
