@@ -12,7 +12,8 @@ messages one after the other, each waited for before the next is posted, as a wa
   posts on NCCL), bare;
 - p2p+header: the same with a second, 16-byte message each way in the same batch, as a watched hop's header
   (so that the header's cost is told from the watch's: the ring cases remove both together);
-- ring: `Ring.exchange` as a rotated layer posts it on NCCL (the header, the watch; watched over gloo too);
+- ring: `Ring.exchange` as a rotated layer's walk posts it on NCCL (pool slots, the header inside the message, the
+  watch, the header check a walk makes at its end; watched over gloo too);
 - ring-unwatched: `Ring.exchange` without the header and the watch;
 - all-gather: `all_gather_into_tensor` with each rank giving the bytes a hop sends (FSDP2's collective);
 - all-reduce: of the bytes a hop sends (DDP's).
@@ -59,8 +60,18 @@ def _case(name: str, size: int, device: torch.device, rings: dict):
     send = torch.full((numel,), float(rank), device=device)
     recv = torch.empty(numel, device=device)
     if name in ("ring", "ring-unwatched"):
+        # as a walk at 2 ranks: its own piece sent from the pool's slot 1, the neighbour's received into slot 0 (a
+        # watched hop is then one message, its header inside), the walk's end (its header check) after each hop
         ring = rings[name]
-        return lambda: ring.exchange([send], [recv], 0).wait()
+        (out,) = ring.pool.take("weights", 1, [send.shape], send)
+        (into,) = ring.pool.take("weights", 0, [recv.shape], recv)
+        out.copy_(send)
+
+        def hop() -> None:
+            ring.exchange([out], [into], 0).wait()
+            ring.walked()
+
+        return hop
     if name == "all-gather":
         out = torch.empty(numel * world, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
