@@ -35,6 +35,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8,
         tie_word_embeddings=False,
     ),
+    # Llama-3.2-1B's shape (meta-llama/Llama-3.2-1B's config.json: 16 layers 2048 wide, 32 heads over 8 KV heads,
+    # head 64, MLP 8192, Llama 3's 128256-token vocabulary, head tied to the embeddings, rope theta 500000), ~1.24B
+    # parameters with random weights: the size users fine-tune (issue 66, .ci/gpu-speed). Its llama3 rope scaling
+    # is left out: it changes no shape, no parameter and no cost at the bench's lengths.
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
     # Small enough for a test to run every strategy in seconds.
     "llama-tiny": dict(
         vocab_size=4096,
