@@ -82,6 +82,8 @@ def test_bench_refuses_bad_arguments(tmp_path):
         ["--strategies", "rtp-2d"],  # rings of how many?
         ["--world-sizes", "4", "--rtp-size", "3"],
         ["--world-sizes", "2", "--rtp-size", "2"],  # one ring of 2 is the flat ring
+        ["--fsdp2-prefetch", "-1"],
+        ["--strategies", "ddp", "--profile", str(tmp_path / "profile")],  # profiles rtp, which does not run
     ]
     for args in bad:
         with pytest.raises(SystemExit) as refused:
@@ -166,6 +168,29 @@ def test_autocast_trains_fsdp2_with_its_mixed_precision_policy_and_rtp_in_bf16(t
     assert set(rows) == {"fsdp2", "rtp"}
     # both train on rank 0's first batch from the same weights under the same autocast: the same loss
     assert abs(rows["fsdp2"]["loss_first"] - rows["rtp"]["loss_first"]) < 1e-2
+
+
+def test_fsdp2_shards_each_layer_and_its_explicit_prefetch_changes_no_number(tmp_path, capsys, rank_server):
+    """--fsdp2-prefetch N: FSDP2's explicit prefetching instead of its implicit one; only when all-gathers are issued
+    changes. And what every results.json records: what the run ran on, and the model's shape."""
+    import torch
+
+    results = {}
+    for ahead in ("0", "1"):
+        out = tmp_path / f"out-{ahead}"
+        args = ["--world-sizes", "2", "--strategies", "fsdp2", "--batch", "1", "--seq", "16", "--warmup", "1"]
+        args += ["--steps", "1", "--gradient-checkpointing", "--fsdp2-prefetch", ahead, "--output", str(out)]
+        _bench(tmp_path, capsys, args)
+        results[ahead] = json.loads((out / "results.json").read_text())
+    [implicit], [explicit] = results["0"]["results"], results["1"]["results"]
+    assert implicit["fsdp2"]["units"] == explicit["fsdp2"]["units"] == 3  # the tiny preset's 2 layers, the root
+    assert implicit["fsdp2"]["prefetch"] == "implicit" and explicit["fsdp2"]["prefetch"] == "explicit, 1 layer(s) ahead"
+    for rank in (0, 1):  # both steps, the second after an optimizer step
+        assert explicit["ranks"][rank]["losses"] == pytest.approx(implicit["ranks"][rank]["losses"], rel=1e-6)
+    env, model = results["1"]["environment"], results["1"]["model"]
+    assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["backend"] == "gloo"
+    assert (model["num_hidden_layers"], model["hidden_size"], model["tokens_per_rank"]) == (2, 128, 16)
+    assert model["parameters"] == 1_450_624 and model["gradient_checkpointing"] is True
 
 
 def test_generate_mode_times_greedy_decoding_per_batch_size(tmp_path, capsys, rank_server):

@@ -79,6 +79,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "weights, as Trainer(bf16=True) does; FSDP2 then uses its MixedPrecisionPolicy (bf16 gathers)",
     )
     p.add_argument(
+        "--fsdp2-prefetch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fsdp2's prefetching: 0 (the default) leaves it to FSDP2's implicit prefetch, as torchtitan's dense "
+        "Llama does (in forward the next layer's all-gather is issued when its forward starts, on its own stream; "
+        "in backward the next layer in reverse forward order); N >= 1 sets it explicitly, each layer prefetching "
+        "the next N in forward and the previous N in backward (set_modules_to_forward_prefetch, "
+        "set_modules_to_backward_prefetch)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the measured steps, one more step under torch.profiler (after one unrecorded) on every rank "
+        "of the strategies --profile-strategies names: DIR/STRATEGY-rankR.json.gz (a Chrome trace) and "
+        "DIR/STRATEGY-rankR-key-averages.txt; the measured steps and peaks are taken before it",
+    )
+    p.add_argument("--profile-strategies", default="rtp", help="with --profile: comma-separated (default rtp)")
+    p.add_argument(
         "--load-in-4bit",
         action="store_true",
         help="QLoRA: a frozen NF4 bitsandbytes base with LoRA adapters (r=16, every linear), for ddp, fsdp2 (as "

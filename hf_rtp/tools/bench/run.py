@@ -51,6 +51,10 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
         worker_args.append("--load-in-4bit")
     if strategy == "rtp-2d":
         worker_args += ["--rtp-size", str(args.rtp_size)]
+    if strategy == "fsdp2":
+        worker_args += ["--fsdp2-prefetch", str(args.fsdp2_prefetch)]
+    if args.profile and label in args.profile_strategies.split(","):
+        worker_args += ["--profile", args.profile]
     reports = run_ranks(
         "hf_rtp.tools.bench.worker", worker_args, world_size, threads=args.threads, timeout=args.timeout
     )
@@ -69,8 +73,15 @@ def measure(strategy: str, checkpoint: str, world_size: int, args) -> dict:
     reserved = {}
     if "cuda_train_reserved" in worst:
         reserved["reserved_gb"] = max(r["cuda_train_reserved"] for r in reports) / 1e9
+    extra = {key: reports[0][key] for key in ("fsdp2",) if key in reports[0]}
+    if any("profile" in r for r in reports):
+        extra["profile"] = [path for r in reports for path in r.get("profile", [])]
+    if any("profile_error" in r for r in reports):
+        extra["profile_error"] = {r["rank"]: r["profile_error"] for r in reports if "profile_error" in r}
+        print(f"  {label}'s profile failed (its figures stand): {next(iter(extra['profile_error'].values()))}")
     return {
         **reserved,
+        **extra,
         "strategy": label,
         "world_size": world_size,
         "seq": seq,
@@ -97,6 +108,35 @@ def add_efficiency(rows: list[dict], states_gb: float) -> None:
     for r in rows:
         r["ideal_gb"] = states_gb / r["world_size"] + activations
         r["efficiency"] = r["ideal_gb"] / r["peak_gb"]
+
+
+def shape(config, rows: list[dict], args) -> dict:
+    """The model and the step every row measured: the config's sizes, the parameters a rank counted (a tied head
+    once), the tokens per rank and the training's precision."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = ["num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads"]
+    sizes += ["num_key_value_heads", "tie_word_embeddings"]
+    return {
+        "model_type": getattr(config, "model_type", None),
+        **{key: getattr(text, key, None) for key in sizes},
+        "parameters": next((r["ranks"][0]["parameters"] for r in rows if "parameters" in r["ranks"][0]), None),
+        "batch_per_rank": args.batch,
+        "seq": args.seq,
+        "tokens_per_rank": args.batch * args.seq,
+        "weights": args.dtype,
+        "autocast": "bfloat16" if args.autocast else None,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "optimizer": "AdamW",
+    }
+
+
+def measured_on(env: dict) -> str:
+    """One line naming what the figures were measured on (a rank's `environment`, worker.py)."""
+    line = f"measured on {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}"
+    if env.get("cuda"):
+        line += f", CUDA {env['cuda']}, NCCL {env.get('nccl_loaded') or 'not loaded'} (torch built with "
+        line += f"{env.get('nccl_built')}), CUDA MPS client: {'yes' if env.get('cuda_mps_pipe_directory') else 'no'}"
+    return line + f", backend {env.get('backend')}"
 
 
 def table(rows: list[dict]) -> str:
@@ -267,6 +307,12 @@ def main(argv=None) -> dict:
             )
         if "rtp-2d" not in strategies:
             strategies.append("rtp-2d")
+    if args.fsdp2_prefetch < 0:
+        raise SystemExit(f"--fsdp2-prefetch must be 0 (implicit) or a number of layers, got {args.fsdp2_prefetch}")
+    if args.profile and not set(args.profile_strategies.split(",")) & set(strategies):
+        raise SystemExit(
+            f"--profile-strategies {args.profile_strategies} names none of the strategies run ({','.join(strategies)})"
+        )
     if args.warmup < 1 or args.steps < 1:
         # AdamW allocates its moments in the first step: a peak taken before the second would miss them
         raise SystemExit("--warmup and --steps must each be at least 1: the first step allocates the optimizer state")
@@ -392,9 +438,14 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
             print(f"{r['strategy']} N={r['world_size']}: {r['ring_mb_per_step']:.2f} MB per rank on the ring per step")
     for f in failed:
         print(f"{f['strategy']} on {f['world_size']} rank(s) failed (see results.json)")
+    environment = next((r["ranks"][0]["environment"] for r in rows if "environment" in r["ranks"][0]), None)
+    if environment:
+        print(measured_on(environment))
     result = {
         "settings": vars(args),
         "checkpoint": checkpoint,
+        "environment": environment,
+        "model": shape(config, rows, args),
         "model_states_gb": states_gb,
         "results": rows,
         "failed": failed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from ..memory import STRATEGIES, decoder_layers
 from .processes import vm_rss
@@ -46,8 +48,9 @@ def load(
     rtp_size: int | None = None,
     autocast: bool = False,
     tiled_mlp: bool | int | str = "auto",
+    fsdp2_prefetch: int = 0,
 ) -> Any:  # a transformers model, or DDP around one
-    model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast, tiled_mlp)
+    model = _load(strategy, checkpoint, dtype, device, rtp_size, autocast, tiled_mlp, fsdp2_prefetch)
     if gradient_checkpointing:
         inner = getattr(model, "module", model)
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -63,6 +66,7 @@ def _load(
     rtp_size: int | None,
     autocast: bool,
     tiled_mlp: bool | int | str = "auto",
+    fsdp2_prefetch: int = 0,
 ) -> Any:  # a transformers model, or DDP around one
     from transformers import AutoModelForCausalLM
 
@@ -90,10 +94,31 @@ def _load(
         # under autocast, FSDP2's own mixed precision: bf16 all-gathers, float32 reduce-scatters
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if autocast else None
         kwargs: dict[str, Any] = {"mp_policy": policy} if policy else {}
-        for layer in decoder_layers(model):
-            fully_shard(layer, **kwargs)
+        # one unit per decoder layer, resharded after its forward and gathered again in backward; the root holds
+        # the rest (embeddings, final norm, head) and keeps them gathered from its forward to backward, FSDP2's
+        # default for a root (accelerate's FSDP2 wraps a model so; torchtitan adds the embeddings and the
+        # norm with the head as units of their own, which a head tied to the embeddings cannot be)
+        layers = decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=True, **kwargs)
         fully_shard(model, **kwargs)
+        prefetch(layers, fsdp2_prefetch)
     return model
+
+
+def prefetch(layers: list, ahead: int) -> None:
+    """FSDP2's explicit prefetching over decoder layers sharded one a unit: in forward each layer's all-gather
+    issues the next `ahead` layers', in backward the previous `ahead` layers' (pytorch/examples' FSDP2
+    --explicit-prefetch). 0 leaves FSDP2's implicit prefetching, torchtitan's for a dense Llama."""
+    if ahead < 0:
+        raise ValueError(f"fsdp2 prefetch must be 0 (implicit) or a number of layers, got {ahead}")
+    if ahead == 0:
+        return
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + ahead])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - ahead) : i][::-1])
 
 
 QLORA_STRATEGIES = ("ddp", "fsdp2", "rtp")
@@ -161,15 +186,110 @@ def _train_step(model, strategy, batch, optimizer) -> float:
             loss = model(**inputs).loss
             loss.backward()
     else:
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        with record_function("bench: forward"):  # the phases, named in --profile's traces
+            loss = model(input_ids=batch, labels=batch).loss
+        with record_function("bench: backward"):
+            loss.backward()
     if strategy.startswith("rtp"):
         import hf_rtp
 
-        hf_rtp.sync_grads(model)  # replicated norms; the ring already averaged the rotated weights
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        with record_function("bench: sync_grads"):
+            hf_rtp.sync_grads(model)  # replicated norms; the ring already averaged the rotated weights
+    with record_function("bench: optimizer step"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return float(loss)
+
+
+def _step_alone(model, strategy: str, batch, optimizer, autocast: bool, device: torch.device) -> None:
+    """One training step begun together and ended on the device, as the measured ones are."""
+    if dist.is_initialized():
+        dist.barrier()
+    train_step(model, strategy, batch, optimizer, autocast)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_steps(step, directory: str, name: str, device: torch.device) -> list[str]:
+    """Run `step()` twice under torch.profiler, recording the second (the first warms the profiler up), and write
+    DIRECTORY/NAME.json.gz (a Chrome trace, for chrome://tracing or Perfetto) and DIRECTORY/NAME-key-averages.txt
+    (the ops by self time on the device, then by total time on the host); the paths written."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, name)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    written: list[str] = []
+
+    def save(prof) -> None:
+        prof.export_chrome_trace(base + ".json.gz")  # gzipped by its suffix
+        averages = prof.key_averages()
+        sorts = [("self_device_time_total", "self time on the device")] if cuda else []
+        sorts.append(("cpu_time_total", "total time on the host (CPU)"))
+        with open(base + "-key-averages.txt", "w") as f:
+            for key, title in sorts:
+                f.write(f"{name}: one step's ops by {title}\n{averages.table(sort_by=key, row_limit=50)}\n\n")
+        written.extend([base + ".json.gz", base + "-key-averages.txt"])
+
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1), on_trace_ready=save) as prof:
+        for _ in range(2):
+            step()
+            prof.step()
+    return written
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What the figures were measured on: the device, torch, CUDA, and the NCCL this process runs beside the one
+    torch was built with (torch.cuda.nccl.version(); .ci/gpu-device may replace the library), and the CUDA MPS
+    client's variables (set where .ci/gpu-speed started MPS)."""
+    import platform
+
+    import transformers
+
+    env: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "backend": str(dist.get_backend()) if dist.is_initialized() else None,
+    }
+    if device.type != "cuda":
+        return {**env, "device_name": platform.processor() or platform.machine() or "cpu"}
+    props = torch.cuda.get_device_properties(device)
+    built = torch.cuda.nccl.version()
+    return {
+        **env,
+        "device_name": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "device_memory_gb": props.total_memory / 1e9,
+        "cuda": torch.version.cuda,
+        "nccl_built": ".".join(map(str, built)) if isinstance(built, tuple) else str(built),
+        "nccl_loaded": loaded_nccl(),
+        **{
+            name.lower(): os.environ.get(name)
+            for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NCCL_MULTI_RANK_GPU_ENABLE")
+        },
+    }
+
+
+def nccl_version(code: int) -> str:
+    """ncclGetVersion's integer, dotted: X*10000 + Y*100 + Z since NCCL 2.9, X*1000 + Y*100 + Z before."""
+    if code >= 10000:
+        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
+
+
+def loaded_nccl() -> str | None:
+    """The version of the NCCL library this process has loaded by the name libnccl.so.2 (the one torch calls),
+    read with its own ncclGetVersion; None where none is loaded."""
+    import ctypes
+
+    try:
+        library = ctypes.CDLL("libnccl.so.2", mode=4)  # RTLD_NOLOAD (glibc): only a library already loaded
+    except OSError:
+        return None
+    code = ctypes.c_int()
+    return nccl_version(code.value) if library.ncclGetVersion(ctypes.byref(code)) == 0 else None
 
 
 def _ring(model: nn.Module):
@@ -197,6 +317,8 @@ def main(argv=None) -> None:
     p.add_argument("--rtp-size", type=int)
     p.add_argument("--autocast", action="store_true", help="bf16 autocast over the weights' dtype")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: a frozen NF4 base with LoRA adapters")
+    p.add_argument("--fsdp2-prefetch", type=int, default=0, help="fsdp2: 0 implicit, N explicit (layers ahead)")
+    p.add_argument("--profile", help="a folder: one more step under torch.profiler, written there")
     p.add_argument("--generate", help="comma-separated batch sizes: time greedy decoding instead of training")
     p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args(argv)
@@ -231,7 +353,7 @@ def main(argv=None) -> None:
 
         model = load(
             args.strategy, args.checkpoint, dtype, device, args.gradient_checkpointing, args.rtp_size, args.autocast,
-            tiled_setting(args.tiled_mlp),
+            tiled_setting(args.tiled_mlp), args.fsdp2_prefetch,
         ).train()  # fmt: skip
     marks["load_end"] = time.time()
     if args.generate:
@@ -272,10 +394,29 @@ def main(argv=None) -> None:
         marks["cuda_train_peak"] = torch.cuda.max_memory_allocated(device)
         marks["cuda_train_reserved"] = torch.cuda.max_memory_reserved(device)
     local_bytes = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in model.parameters())
+    extra: dict[str, Any] = {}
+    if args.strategy == "fsdp2" and not args.load_in_4bit:
+        from torch.distributed.fsdp import FSDPModule
+
+        extra["fsdp2"] = {
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),  # a unit per decoder layer, the root
+            "layers_reshard_after_forward": True,
+            "root_reshard_after_forward": False,  # FSDP2's default for a root
+            "prefetch": f"explicit, {args.fsdp2_prefetch} layer(s) ahead" if args.fsdp2_prefetch else "implicit",
+        }
+    if args.profile:  # after the measured steps and their peaks: the profiler's own memory and time are in neither
+        step = functools.partial(_step_alone, model, args.strategy, batches[-1], optimizer, args.autocast, device)
+        try:  # a profiler that fails (CUPTI under CUDA MPS, say) costs the profile, not the figures measured
+            extra["profile"] = profile_steps(step, args.profile, f"{args.strategy}-rank{rank}", device)
+        except Exception as err:
+            extra["profile_error"] = f"{type(err).__name__}: {err}"[-2000:]
     report = dict(
         marks,
+        **extra,
         rank=rank,
         world_size=world_size,
+        environment=environment(device),
+        parameters=sum(q.numel() for q in model.parameters()),  # global: DTensors count their whole shape
         step_times=times[args.warmup :],
         step_s=statistics.median(times[args.warmup :]),
         losses=losses,
