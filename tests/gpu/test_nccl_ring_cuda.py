@@ -95,12 +95,30 @@ def _nccl_scenarios():
     ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=30.0)
     small, landing = torch.arange(4.0, device=device), torch.empty(4, device=device)
     ring.exchange([small], [landing], _WEIGHT_TAG if rank == 0 else _GRAD_TAG).wait()  # on NCCL: no host wait
+    ring.walked()  # a walk's end: its hops' header check goes to the watch
     _wait_for_failure(ring, 20)
     try:
         ring.exchange([small], [landing], _WEIGHT_TAG)
         out["disagreeing"] = None
     except CollectiveMisuseError as err:
         out["disagreeing"] = str(err)
+    dist.barrier()
+
+    # the same through the walks, where a hop is one message with its header inside: rank 0's weights against rank
+    # 1's gradient accumulator, the same bytes each way
+    ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=30.0)
+    walk_layout, own = ChunkLayout((torch.Size((4, 3)),), 2), [torch.ones(2, 3, device=device)]
+    if rank == 0:
+        ring.forward_walk(own, walk_layout, lambda rows, piece: None)
+    else:
+        ring.backward_walk(own, walk_layout, lambda rows, piece, acc: acc[0].add_(1.0), None)
+    out["walk_messages"] = ring.messages
+    _wait_for_failure(ring, 20)
+    try:
+        ring.forward_walk(own, walk_layout, lambda rows, piece: None)
+        out["disagreeing_walks"] = None
+    except CollectiveMisuseError as err:
+        out["disagreeing_walks"] = str(err)
     dist.barrier()
 
     ring = Ring(dist.new_group([0, 1]), device=device, timeout_s=3.0)
@@ -166,6 +184,9 @@ def test_a_world_without_a_backend_walks_batched_over_nccl_beyond_its_buffers(sc
 def test_walks_that_disagree_fail_by_name_on_both_ranks_over_nccl(scenarios):
     for out in scenarios:
         message = out["disagreeing"]
+        assert message is not None and "walked it differently" in message, message
+        assert out["walk_messages"] == 2, out["walk_messages"]  # a walk's hop: one send, one receive, header inside
+        message = out["disagreeing_walks"]
         assert message is not None and "walked it differently" in message, message
 
 
