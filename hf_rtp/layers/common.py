@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed.tensors.rotated import RotatedTensor, local_chunk
 from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.pool import HEADER_BYTES
 from ..distributed.transport.ring import Ring
 from ..private.torch_names import current_graph_task_id
 
@@ -125,8 +126,10 @@ def token_bound(
     if bound is None:
         bound = traffic.head if head else traffic.bound
     row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in (*tokens, out))
-    # a walk holds a hop's message, the accumulator and its landing in one slot, N-1 hops' arrivals in the other
-    held = bound * (row_bytes + 8) * max(ring.size - 1, 3) + 64
+    # a walk holds a hop's message, the accumulator and its landing in one slot, N-1 hops' arrivals in the other,
+    # each region followed by a watched hop's header (pool.header_room: at most HEADER_BYTES + 7 more)
+    regions = max(ring.size - 1, 3)
+    held = bound * (row_bytes + 8) * regions + 64 + (HEADER_BYTES + 8) * regions
     slot = ring.slot_bytes(out)
     return bound if traffic.moves_tokens(bound, weight_bytes, row_bytes, held, slot, ring.size) else None
 

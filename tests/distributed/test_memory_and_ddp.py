@@ -8,6 +8,8 @@ import torch
 from support.models import global_batch, make_tiny_llama
 from support.spawn import run_on_ranks
 
+from hf_rtp.distributed.transport.pool import HEADROOM
+
 
 def _rank_world():
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -114,7 +116,8 @@ def _count_live_chunks(ckpt, out, piece_size):
     walks = len(layouts) - sum(len(members) - 1 for _, members in stacked)
     layouts += [StackedLayout.of(tuple(g.members[i].layout for i in members)) for g, members in stacked]
     largest = max(layout.max_piece_numel(ring.pieces(layout, model.lm_head.weight)) for layout in layouts)
-    assert len(weight_buffers) == 2 and all(b.nbytes == largest * 4 for b in weight_buffers)  # float32 slots
+    # float32 slots, each with room for a watched hop's header after its piece
+    assert len(weight_buffers) == 2 and all(b.nbytes == largest * 4 + HEADROOM for b in weight_buffers)
     if piece_size != "16MB":  # slots hold a piece, far less than the largest chunk (the embedding's)
         assert largest * 4 <= ring.piece_bytes < 4 * max(layout.max_numel() for layout in layouts)
     assert ring.pool.allocations == 4  # two weight and two gradient slots, sized once, never regrown

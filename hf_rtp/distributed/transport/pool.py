@@ -20,6 +20,7 @@ import torch
 
 VIEWS_KEPT = 64  # a model's walks ask for a handful; more would only keep views of old sequence lengths
 HEADER_BYTES = 8  # a watched hop's header: its kind and count as one int64 (distributed/transport/ring.py)
+HEADROOM = 16  # what a slot holds beyond its planned piece: that piece's header, at an offset aligned to 8
 WIRES_KEPT = 256  # bundles a ring's walks send and receive: a handful a layout, a few a sequence length
 
 
@@ -72,7 +73,7 @@ class BufferPool:
             for stale in [k for k in self._views if k[:3] == key]:
                 del self._views[stale]
             self._wires.clear()  # they hold views of the buffer replaced: its memory would never be freed
-            planned = header_room(self._planned.get(like.device, 0) * _matmul_itemsize(like))
+            planned = self._planned.get(like.device, 0) * _matmul_itemsize(like) + HEADROOM
             flat = torch.empty(max(need, planned), dtype=torch.uint8, device=like.device)
             self._flat[key] = flat
             self.allocations += 1
