@@ -1,9 +1,10 @@
 """The `hf-rtp` command: `hf-rtp bench ...` and `hf-rtp estimate ...`.
 
 Each command's options are read from a module that imports nothing beyond what `import hf_rtp` has
-already imported (bench/options.py, memory.py); the command's own module, which brings PEFT,
-bitsandbytes, TRL or matplotlib with it, is imported once the arguments parse. So `--help`, `--version`
-and a mistyped option answer without those imports, and without bitsandbytes' import-time warnings."""
+already imported (bench/options.py; memory.py, memory_qlora.py, speed.py and speed_report.py, the estimate itself); the
+bench's own module, which brings PEFT, bitsandbytes, TRL or matplotlib with it, is imported once the arguments
+parse. So `--help`, `--version` and a mistyped option answer without those imports, and without bitsandbytes'
+import-time warnings."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ..version import __version__
-from . import memory
+from . import memory, memory_qlora, speed_report
 from .bench import options as bench_options
 
 
@@ -38,11 +39,12 @@ def parser() -> argparse.ArgumentParser:
     bench_options.add_arguments(bench)
     estimate = commands.add_parser(
         "estimate",
-        help="per-rank memory of each strategy from config.json alone",
+        help="per-rank memory of each strategy from config.json alone; with --speed, step time per GPU",
         description=memory.__doc__,
         formatter_class=raw,
     )
     memory.add_arguments(estimate)
+    speed_report.add_arguments(estimate)
     return p
 
 
@@ -53,15 +55,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, _ = parser().parse_known_args(argv)
     rest = argv[argv.index(args.command) + 1 :]
     # an unknown option too, under the command's own usage (hf-rtp's parser would show its own)
-    {"bench": bench_options.parser, "estimate": memory.parser}[args.command]().parse_args(rest)
+    {"bench": bench_options.parser, "estimate": memory_qlora.parser}[args.command]().parse_args(rest)
     if args.command == "bench":
         from .bench.run import main as bench
 
         bench(rest)  # parses `rest` again; the results it returns are for Python callers (hf_rtp.tools.bench)
     else:
-        from .memory_qlora import main as estimate
-
-        estimate(rest)
+        memory_qlora.main(rest)
 
 
 if __name__ == "__main__":

@@ -708,9 +708,10 @@ def device_note(device: str) -> str:
     )
 
 
-def main(argv=None) -> dict[str, float]:
-    """Full fine-tuning's estimate; `hf-rtp estimate` (memory_qlora.main) also takes --load-in-4bit."""
-    args = parser().parse_args(argv)
+def main(argv=None, args: argparse.Namespace | None = None) -> dict[str, float]:
+    """Full fine-tuning's estimate; `hf-rtp estimate` (memory_qlora.main) also takes --load-in-4bit. `args`: `argv`
+    already parsed (by memory_qlora.parser, which adds --speed's options)."""
+    args = parser().parse_args(argv) if args is None else args
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
     if args.load_in_4bit:

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from . import memory
+from . import memory, speed_report
 
 BLOCK = 64  # bitsandbytes' 4-bit block: one scale per 64 weights
 NESTED_BLOCK = 256  # double quantization: one float32 per 256 scales
@@ -164,11 +164,23 @@ def table(world_sizes=(2, 4, 8)) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> dict[str, float]:
-    """`hf-rtp estimate`: with --load-in-4bit QLoRA's estimate, else full fine-tuning's (memory.main)."""
-    args = memory.parser().parse_args(argv)
+def parser():
+    """`hf-rtp estimate`'s parser: memory's options and --speed's."""
+    p = memory.parser()
+    speed_report.add_arguments(p)
+    return p
+
+
+def main(argv=None) -> dict:
+    """`hf-rtp estimate`: with --speed the step time (speed_report.report), with --load-in-4bit QLoRA's memory, else
+    full fine-tuning's (memory.main)."""
+    args = parser().parse_args(argv)
+    if args.speed:
+        return speed_report.report(args)
+    if args.json:
+        raise SystemExit("hf-rtp estimate: --json prints --speed's report: add --speed")
     if not args.load_in_4bit:
-        return memory.main(argv)
+        return memory.main(args=args)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
     if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:

@@ -137,6 +137,18 @@ CLI = {
         "--load-in-4bit": False,
         "--lora-rank": 16,
         "--device": "cuda",
+        "--speed": False,
+        "--json": False,
+        "--hardware": "h100",
+        "--recompute": None,
+        "--flop-rate": None,
+        "--link-bandwidth": None,
+        "--collective-bandwidth": None,
+        "--latency-us": None,
+        "--host-hop-us": None,
+        "--host-collective-us": None,
+        "--time-slice-ms": None,
+        "--piece-size": "16MB",
     },
 }
 
