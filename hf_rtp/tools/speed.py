@@ -526,18 +526,16 @@ def binds(result: Result, hw: Hardware) -> str:
     d = result.detail
     hops, busy = d["hops"], result.compute_s + result.comm_s
     slower = [
-        f"{k} {h:.3f} s vs {g:.3f} s" for k, (h, g) in d["host_and_device_by_walk_s"].items() if h > g and h > 1e-3
+        f"{k} {h:.3f} s vs {g:.3f} s"
+        for k, (h, g) in d["host_and_device_by_walk_s"].items()
+        if h > g and h > 1e-3 and not hw.cores
     ]
     idle = d["host_and_device_by_walk_s"].get("compute", [0.0, 0.0])[1]
     host = (
         f"host work {result.host_total_s:.3f} s ({hops} hops x {hw.host_hop_s * 1e6:.0f} us) is "
         f"{result.host_total_s / busy:.0%} of the device's {busy:.3f} s"
-        + (
-            f"; the host is slower than the device on the walks ({', '.join(slower)}) and catches up during "
-            f"attention's {idle:.3f} s without hops"
-            if slower and not hw.cores
-            else ""
-        )
+        + (f"; the host is slower than the device on the walks ({', '.join(slower)})" if slower else "")
+        + (f" and catches up during attention's {idle:.3f} s without hops" if slower and idle > 1e-3 else "")
         + f"; above {busy / max(hops, 1) * 1e6:.0f} us a hop the host binds"
     )
     if result.host_s >= max(result.comm_s, 0.01 * result.step_s):
@@ -548,6 +546,8 @@ def binds(result: Result, hw: Hardware) -> str:
         if result.host_total_s > 0.9 * busy and not hw.cores
         else ""
     )
+    if hw.slice_s and result.comm_s >= 0.01 * result.step_s:
+        return f"time slices: {hops} hops waited for cost {result.comm_s:.3f} s beyond compute; {host}"
     if result.comm_s >= 0.01 * result.step_s:
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in d["exposed_comm_by_walk_s"].items() if v >= 5e-4)
         return (
