@@ -2,9 +2,9 @@
 hops and bytes are the ring's, and its predictions beside what was measured, each error pinned (docs/benchmarks.md,
 "Step time, predicted beside measured").
 
-(a) torchtitan's published Llama-3.1-8B FSDP run on 8 H100s (benchmarks/llama3_h100_202412_torchtitan.md: local batch
-    2 x 8192, selective activation checkpointing, bf16): 5,762 tokens/s per GPU. The FLOP rate is Llama 3's, not
-    fitted to it.
+(a) torchtitan's published Llama-3.1-8B FSDP run on 8 H100s (its repository's
+    benchmarks/llama3_h100_202412_torchtitan.md: local batch 2 x 8192, selective activation checkpointing, bf16):
+    5,762 tokens/s per GPU. The FLOP rate is Llama 3's, not fitted to it.
 (b) what this project measured: llama-90m on one shared H100 (two ranks time-slicing it) and on this 2-core CPU.
 """
 
