@@ -13,8 +13,9 @@ from_pretrained gives every rotated causal LM this forward (`install_forward`); 
    [tokens, vocab] logits are made. Every other forward is vanilla's, unchanged. Everything else the forward
    does (the backbone, MoE's aux loss added to the loss, the output class) stays vanilla's own code.
 3. The loss (`loss`, reached as the model's `loss_function`, a `FusedLoss`, while the fused loss is on): in a
-   routed forward, the loss of the held hidden states through the ring (fused_head.token_losses); in any other,
-   transformers' ForCausalLMLoss.
+   routed forward, the loss of the held hidden states through the ring (fused_head.token_losses), over the tokens
+   that have labels only (`Labelled`: counted at step 2's start, so that taking them makes the host wait for the
+   device's queue no further than the forward's start); in any other, transformers' ForCausalLMLoss.
 
 `num_items_in_batch`, what the summed token losses are divided by, flows one way, down: the caller's when given,
 else the block's label count, set in step 1 for every step below, else the label tokens step 3 counts. `divisor`
@@ -136,12 +137,13 @@ def routed(model, *args, return_logits: bool = False, **kwargs):
     if not isinstance(head, RotatedLinear) or own_loss_function(model) is not fused:
         return plain(model, *args, **kwargs)
     fused.active = True
+    fused.labelled = Labelled(kwargs["labels"], kwargs.get("shift_labels"), kwargs.get("ignore_index", -100))
     head.forward = fused.hold  # type: ignore[method-assign]  # this forward only; deleted below
     try:
         out = plain(model, *args, **kwargs)
     finally:
         del head.forward
-        missed, fused.active, fused.hidden = fused.active, False, None
+        missed, fused.active, fused.hidden, fused.labelled = fused.active, False, None, None
     if missed:
         raise RuntimeError(f"{type(model).__name__}.forward did not compute its loss from the LM head's output")
     return _without_logits(out)
@@ -152,6 +154,43 @@ def _without_logits(out):
     if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
         return (out[0], None, *out[2:])
     return type(out)(**{k: v for k, v in out.items() if k != "logits"})
+
+
+def _targets(labels: torch.Tensor, shift_labels, ignore_index: int) -> torch.Tensor:
+    """Each token's target, flat: the next token's label (vanilla's shift), or `shift_labels` as given."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1)
+
+
+class Labelled:
+    """How many of a routed forward's tokens have labels, counted on the device at the forward's start (step 2) and
+    copied to host memory there without waiting (non-blocking, into pinned memory, an event behind it).
+
+    The loss takes the labelled tokens' rows by that count (`torch.nonzero_static`), so that the LM head's walks
+    skip the ignored ones (a prompt's). `nonzero` would read the count when the loss runs: on CUDA a wait for
+    everything queued before it, the whole forward. This copy is queued behind the batch alone: when the loss runs,
+    the host waits for it only while the device is still behind the forward's start, and the forward's layers stay
+    queued meanwhile, so the device never runs dry. On the CPU (and on any device but CUDA) the count is read
+    where it is."""
+
+    def __init__(self, labels: torch.Tensor, shift_labels, ignore_index: int):
+        self.labels, self.shift_labels, self.ignore_index = labels, shift_labels, ignore_index
+        count = (_targets(labels, shift_labels, ignore_index) != ignore_index).sum()
+        self.ready: torch.cuda.Event | None = None
+        if count.device.type == "cuda":
+            count = count.to("cpu", non_blocking=True)  # pinned: the copy waits in the device's queue, not here
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(labels.device))
+        self.count = count
+
+    def of(self, labels: torch.Tensor, shift_labels, ignore_index: int) -> int | None:
+        """The count, for the loss of these labels (None where the loss got others than the forward: count them)."""
+        if labels is not self.labels or shift_labels is not self.shift_labels or ignore_index != self.ignore_index:
+            return None
+        if self.ready is not None:
+            self.ready.synchronize()  # the copy's event alone: not the work queued since
+        return int(self.count)
 
 
 class FusedLoss:
@@ -167,6 +206,7 @@ class FusedLoss:
         # read_head found the head among the model's children
         self.head_name = next(n for n, m in model.named_children() if m is head)
         self.hidden: torch.Tensor | None = None
+        self.labelled: Labelled | None = None
         self.active = False
 
     def hold(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -193,14 +233,13 @@ def loss(
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
     hidden, fused.hidden, fused.active = fused.hidden, None, False
     assert hidden is not None  # the head's forward ran in this fused forward and held its input
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(hidden.device)
+    counted = fused.labelled.of(labels, shift_labels, ignore_index) if fused.labelled is not None else None
+    targets = _targets(labels, shift_labels, ignore_index).to(hidden.device)
     keep = targets != ignore_index
-    # The forward's one read on the host (on CUDA, a wait for the device): the kept tokens' rows, once, so
-    # the head's walks skip the ignored ones (a prompt's). Selected by index, the gradient goes back by index
-    # too; a boolean mask would read again for each tensor it selects and in backward.
-    kept = keep.nonzero().squeeze(1)
+    # The kept tokens' rows, so the head's walks skip the ignored ones. Selected by index, the gradient goes back by
+    # index too; a boolean mask would read on the host for each tensor it selects and in backward. By the count the
+    # forward's start took (Labelled), no wait for the device's queue; else `nonzero` reads the count here.
+    kept = (keep.nonzero() if counted is None else torch.nonzero_static(keep, size=counted)).squeeze(1)
     per_token = token_losses(
         fused.model,
         hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept),

@@ -51,10 +51,11 @@ ALLOWED = {
         "replicated parameters compared across ranks once in their life, at the first sync_grads that averages them "
         "(or made rank 0's at the first forward that sees them): flags copied to the host in one transfer, read there",
     ),
-    "model/forward.py loss": (
+    "model/forward.py of": (
         1,
-        "the fused loss gathers the tokens that have labels once per training forward (aten.nonzero), so the LM "
-        "head's walks skip the ignored ones",
+        "the fused loss takes the tokens that have labels once per training forward, so the LM head's walks skip the "
+        "ignored ones, by their count: counted at the forward's start and copied to host memory there without "
+        "waiting (on CUDA, an event behind the batch alone); on the CPU the recorder cannot tell that from a read",
     ),
 }
 # an op that sees more tokens than its forward brought: every rank reads the walk's count, once per walk
