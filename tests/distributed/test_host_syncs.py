@@ -11,8 +11,12 @@ One training step of a rotated Llama at 2 ranks, in 4 KB pieces so every walk ha
 linear, the LM head with the fused loss and without; backward, sync_grads, an AdamW step), and each forward of
 a 2-token greedy decode, weights moved or tokens, make no such op in hf_rtp but at the places ALLOWED names,
 and no more elsewhere than vanilla makes on the same batch in the same run. The same for GPT-2 (Conv1D, a
-tied head). An op that sees more tokens than its forward brought (MLA's cached latents) reads its walk's count
-once on every rank, and where one rank would read and another not, every rank fails.
+tied head). The whole step as users run it (issue 66: forward with labels, backward, sync_grads, clip_grad_norm_,
+AdamW as torch picks it on the CPU and on CUDA) against vanilla under DDP, Llama and Mixtral, weights moving and
+tokens moving; a profiled step there checks that the recorder missed no read inside DTensor's ops or torch's C++.
+An op that sees more tokens than its forward brought (MLA's cached latents) reads its walk's count once on every
+rank, and where one rank would read and another not, every rank fails. docs/reliability.md ("Host
+synchronisations in a training step") lists each wait in a step and its cost.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ ALLOWED = {
 }
 # an op that sees more tokens than its forward brought: every rank reads the walk's count, once per walk
 SEES_A_CACHE = "distributed/transport/token_walk.py _largest"
-# routing by the experts' token counts: vanilla's own routing reads them too (its loop over the experts hit)
+# routing by the experts' token counts, once per MoE layer per forward (tolist of the experts' counts), so that each
+# held expert runs its own rows: vanilla's eager experts read too (nonzero of the experts hit, then one per expert
+# hit), its default grouped_mm reads nothing on CUDA (offsets on the device): against that, hf_rtp adds these
 ROUTING = "layers/experts.py __init__"
 
 
@@ -71,6 +77,7 @@ class Reads(TorchDispatchMode):
         super().__init__()
         self.phase = "step"
         self.counts: collections.Counter = collections.Counter()
+        self.asserts = 0  # torch._assert_async: on CUDA a device-side assertion, no wait; on the CPU it reads its flag
         self._tolist = _ToList(self)
 
     def __enter__(self):
@@ -88,6 +95,7 @@ class Reads(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _READS or (name in _MASKED and _boolean(args[1])):
             self.record(name if name in _READS else f"{name}[bool]")
+        self.asserts += name == "_assert_async"
         return func(*args, **(kwargs or {}))
 
 
@@ -255,6 +263,116 @@ def test_a_training_step_that_moves_its_tokens_waits_for_the_device_no_more_than
     ckpt = make_tiny("llama", tmp_path / "ckpt", vocab_size=1009)
     for rank, found in enumerate(run_on_ranks(_step_moving_tokens, 2, ckpt)):
         assert not _unexpected(found, {}), (rank, _unexpected(found, {}))
+
+
+# What the profiler names the ops that read on the host (it sees them inside DTensor's ops and C++ too)
+_PROFILED = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero", "aten::masked_select"}
+
+
+def _user_step(model, batch, labels, optimizer, foreach, rotated: bool, reads: Reads | None) -> None:
+    """One training step as users write it: forward with labels, backward, sync_grads (hf_rtp's plain loop; DDP
+    averages in backward), clip_grad_norm_, the optimizer's step; each a phase of `reads` when given."""
+    import hf_rtp
+
+    def phase(name):
+        if reads is not None:
+            reads.phase = name
+
+    phase("forward")
+    loss = model(input_ids=batch, labels=labels).loss
+    phase("backward")
+    loss.backward()
+    if rotated:
+        phase("sync_grads")
+        hf_rtp.sync_grads(model)
+    phase("clip_grad_norm_")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+    phase("step")
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _recorded_steps(model, batch, labels, foreach, rotated: bool) -> tuple[list[dict], int]:
+    """Three steps of AdamW (`foreach`: torch's pick, None, or True, CUDA's pick): the first two recorded (the first
+    one makes what a model does once in its life), the third profiled. Returns each recorded step's reads, and what the
+    profiler saw beyond the second's reads and assertions (the recorder sees an op's arguments, not the ops an op
+    runs inside it: DTensor's own, a C++ kernel's), which is 0 when the recorder saw every read."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    found = []
+    for _ in range(2):
+        with Reads() as reads:
+            _user_step(model, batch, labels, optimizer, foreach, rotated, reads)
+        found.append(dict(reads.counts))
+    seen = sum(n for (_, op, _), n in found[1].items() if op != "tolist") + reads.asserts  # tolist: no aten op
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        _user_step(model, batch, labels, optimizer, foreach, rotated, None)
+    return found, sum(event.name in _PROFILED for event in profiler.events()) - seen
+
+
+def _whole_steps(ckpt, dtype_name: str):
+    """A training step as users run it (`_user_step`), of hf_rtp's model with its weights moving and with its tokens
+    moving, and of vanilla's under DDP on the same batch (a masked prompt), with AdamW as torch picks it on the CPU
+    and as it picks it on CUDA (foreach): the reads of each step by phase, what the recorder did not see, and how
+    many token walks the rotated steps made."""
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dtype = getattr(torch, dtype_name)
+    batch = global_batch(world)[rank]
+    labels = batch.clone()
+    labels[:, :3] = -100  # a prompt without labels: the fused loss skips its tokens
+    # weights in 4 KB pieces (several a walk); tokens in the default pieces' slots, which they fit
+    pieces = {"weights": dict(rotation_piece_size=PIECE), "activations": {}}
+    models = {
+        moves: hf_rtp.from_pretrained(ckpt, dtype=dtype, rotation_moves=moves, **pieces[moves]).train()
+        for moves in ("weights", "activations")
+    }
+    vanilla = DistributedDataParallel(AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).train())
+    found, unseen, walks = {}, {}, {}
+    for foreach in (None, True):
+        for name, model in (("vanilla", vanilla), *models.items()):
+            rotated = name != "vanilla"
+            ring = hf_rtp.state_of(model).topology.ring if rotated else None
+            before = ring.token_walks if ring is not None else 0
+            steps, unseen[foreach, name] = _recorded_steps(model, batch, labels, foreach, rotated)
+            for i, counts in enumerate(steps):
+                found[f"foreach={foreach},step={i} {name}"] = counts
+            walks[foreach, name] = ring.token_walks - before if ring is not None else 0
+    return found, unseen, walks
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_whole_training_step_waits_for_the_device_no_more_than_vanilla_ddps(tmp_path, arch):
+    """Issue 66: a rotated model with its embedding and LM head rotated, at 2 ranks, weights moving and tokens
+    moving, through the whole step users run (forward with labels, backward, sync_grads, clip_grad_norm_, AdamW),
+    reads on the host only at the places ALLOWED names (the fused loss's count: a host copy), and elsewhere no
+    more than vanilla transformers under DDP in the same step. clip_grad_norm_ over rotated gradients reads nothing
+    (its norm's sum over the ring is one all-reduce of a scalar, queued on the device); the optimizer's reads are
+    its CPU step counts, vanilla's too. Mixtral's routing reads the experts' counts once per MoE layer per forward
+    (ROUTING), which vanilla's default grouped_mm does not. A profiled step finds no read the recorder missed."""
+    dtype = "float32" if arch == "mixtral" else "float64"  # grouped_mm, vanilla's MoE default, takes no float64
+    ckpt = make_tiny(arch, tmp_path / "ckpt", vocab_size=1009)  # the head's tokens fit a slot: they move too
+    for rank, (found, unseen, walks) in enumerate(run_on_ranks(_whole_steps, 2, ckpt, dtype)):
+        layers = 2  # tiny_config's num_hidden_layers
+        routing = {ROUTING: (layers, "MoE routing, once a layer")} if arch == "mixtral" else {}
+        assert not _unexpected(found, routing), (rank, _unexpected(found, routing))
+        # hf_rtp's steps read nothing inside DTensor's ops or torch's C++ but their assertions (vanilla's grouped_mm
+        # reads its offsets there, on the CPU only: CUDA's kernel takes them on the device)
+        assert not any(n for (_, name), n in unseen.items() if name != "vanilla"), (rank, unseen)
+        for foreach in (None, True):  # both ways walked: tokens moved in the activations steps only
+            assert walks[foreach, "weights"] == 0 < walks[foreach, "activations"], (rank, walks)
+        for case, counts in found.items():
+            mine = {(phase, op, place): n for (phase, op, place), n in counts.items() if place != "elsewhere"}
+            if "vanilla" in case:
+                continue
+            # the fused loss ran and read its count from host memory, not by nonzero; clip_grad_norm_ read nothing
+            assert mine.get(("forward", "_local_scalar_dense", "model/forward.py of")) == 1, (rank, case, mine)
+            assert not any(op == "nonzero" or phase == "clip_grad_norm_" for phase, op, _ in counts), (rank, case)
+            routed = sum(n for (_, _, place), n in mine.items() if place == ROUTING)
+            assert routed == (layers if arch == "mixtral" else 0), (rank, case, routed)
 
 
 def _many_tokens(ckpt):
