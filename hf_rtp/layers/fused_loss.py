@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.tensors.sharding import ChunkLayout
+from ..distributed.transport.pool import HEADER_BYTES
 from ..distributed.transport.ring import Ring
 from .common import add_matmul, finish_weight_grads, rotate_forward
 
@@ -284,7 +285,8 @@ def _tokens_fit(ring: Ring, h: torch.Tensor, weight: torch.Tensor, bound: int) -
     # a slot holds the largest piece in what the weights travel in (the narrower of theirs and the hidden states'),
     # not in the hidden states' dtype: TRL's float32 head over bf16 weights has half the bytes it would reckon
     slot = ring.pool.planned(h.device) * ring.travel_dtype([weight], h.dtype).itemsize
-    return bound * (row + 8) * max(ring.size - 1, 3) + 64 <= slot
+    regions = max(ring.size - 1, 3)  # each followed by a watched hop's header (pool.header_room), as token_bound counts
+    return bound * (row + 8) * regions + 64 + (HEADER_BYTES + 8) * regions <= slot
 
 
 def _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants_weight_grad):
