@@ -26,6 +26,7 @@ from .integrations.accelerate import Accelerator
 from .integrations.peft import adapter_state_dict
 from .model.context import context_parallel, context_parallel_unshard
 from .model.data_parallel import ignore_rotated_in_ddp, sync_grads
+from .model.host_optimizer import CPUOffloadOptimizer
 from .model.state import is_rotated, state_of
 from .model.whole import whole_model
 from .plans import Plan, register
@@ -39,6 +40,7 @@ __all__ = [
     "AutoModelForImageTextToText",
     "AutoModelForSequenceClassification",
     "AutoModelForTokenClassification",
+    "CPUOffloadOptimizer",
     "CheckpointError",
     "CollectiveMisuseError",
     "HfRtpError",

@@ -34,6 +34,7 @@ PUBLIC_NAMES = [
     "AutoModelForImageTextToText",
     "AutoModelForSequenceClassification",
     "AutoModelForTokenClassification",
+    "CPUOffloadOptimizer",
     "CheckpointError",
     "CollectiveMisuseError",
     "HfRtpError",
