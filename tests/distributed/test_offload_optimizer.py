@@ -194,3 +194,40 @@ def test_offload_refuses_optimizers_it_cannot_step_on_the_host_by_name():
     optimizer.step(), reference.step()
     assert len(optimizer._masters) == 1
     torch.testing.assert_close(params[0].detach(), reference.param_groups[0]["params"][0].detach())
+
+
+def _trainers(ckpt, out):
+    """Trainer with optimizers=(torch's AdamW, None) on vanilla (DDP), and (CPUOffloadOptimizer, None) on hf_rtp,
+    then hf_rtp's run resumed from its checkpoint-2: the logged losses of each."""
+    from test_trainer import Tokens
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hf_rtp
+
+    def run(model, folder, offload, resume=None):
+        args = TrainingArguments(output_dir=folder, optim="adamw_torch", max_steps=4, learning_rate=LR,
+                                 weight_decay=DECAY, adam_epsilon=EPS, max_grad_norm=CLIP,
+                                 per_device_train_batch_size=2, gradient_accumulation_steps=MICRO, logging_steps=1,
+                                 save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
+        kind = hf_rtp.CPUOffloadOptimizer if offload else torch.optim.AdamW  # one group each, the same options
+        options = dict(optimizer_class=torch.optim.AdamW) if offload else {}
+        optimizers = (kind(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, **options), None)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 3), optimizers=optimizers)
+        trainer.train(resume_from_checkpoint=resume)
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    vanilla = run(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), f"{out}/vanilla", False)
+    ours = run(hf_rtp.from_pretrained(ckpt, dtype=torch.float32), f"{out}/ours", True)
+    resumed = run(hf_rtp.from_pretrained(ckpt, dtype=torch.float32), f"{out}/ours", True, f"{out}/ours/checkpoint-2")
+    return vanilla, ours, resumed
+
+
+def test_trainer_takes_the_offloaded_optimizer_and_resumes_from_its_checkpoint(tmp_path):
+    """Trainer(optimizers=(hf_rtp.CPUOffloadOptimizer(...), None)), the documented way, at 2 ranks, with gradient
+    accumulation, max_grad_norm and Trainer's linear schedule: losses equal vanilla Trainer's with torch's AdamW
+    (the same one parameter group), and the run resumed from checkpoint-2 repeats steps 3 and 4 exactly."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for vanilla, ours, resumed in run_on_ranks(_trainers, 2, ckpt, str(tmp_path / "t")):
+        print("vanilla", vanilla, "ours", ours, "resumed", resumed)
+        assert len(ours) == 4 and resumed[-2:] == ours[2:], (ours, resumed)
+        assert ours == pytest.approx(vanilla, rel=1e-6), (ours, vanilla)
