@@ -3,6 +3,7 @@
     accelerate launch --config_file recipes/configs/cpu.yaml recipes/finetune.py   # 2 CPU processes
     torchrun --nproc_per_node 2 recipes/finetune.py
     python recipes/finetune.py                                                     # 1 process
+    ... recipes/finetune.py --vanilla   # the same run on plain transformers and DDP, to compare with
 
 With no flags it trains the embedded default (recipes/defaults.py: a small Llama, its tokenizer and
 a synthetic dataset, made locally). It writes output_dir/metrics.jsonl (one line per optimizer
@@ -75,6 +76,12 @@ def parse_args(argv=None):
         help="ranks per ring (default: all; e.g. GPUs per node for one ring per node, data parallel across nodes)",
     )
     p.add_argument(
+        "--vanilla",
+        action="store_true",
+        help="the same run on plain transformers and DDP (every rank a whole model), to compare hf_rtp with: "
+        "metrics.jsonl and final/ as hf_rtp's run writes them",
+    )
+    p.add_argument(
         "--context_parallel",
         action="store_true",
         help="long context: cut each sequence across the ring (hf_rtp.context_parallel); the ranks of a ring train "
@@ -83,13 +90,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+VANILLA_REFUSES = ("load_in_4bit", "load_in_8bit", "context_parallel", "rtp_size", "resume_from", "save_every")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    from transformers import AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
 
-    # accelerate's Accelerator, with cpu=True when there is no CUDA (else a multi-process launch
-    # runs undistributed) and save_state/load_state made collective for rotated models.
-    accelerator = hf_rtp.Accelerator()
+    if args.vanilla and any(getattr(args, name) for name in VANILLA_REFUSES):
+        raise SystemExit(f"--vanilla compares the plain run: leave out {', '.join('--' + n for n in VANILLA_REFUSES)}")
+    if args.vanilla:  # accelerate's own Accelerator, as a plain transformers script builds it
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    else:
+        # accelerate's Accelerator, with cpu=True when there is no CUDA (else a multi-process launch
+        # runs undistributed) and save_state/load_state made collective for rotated models.
+        accelerator = hf_rtp.Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -125,17 +142,24 @@ def main(argv=None):
                 else torch.float32,
             )
         )
-    model = hf_rtp.from_pretrained(
-        model_path,
-        dtype=torch.float32,
-        device=accelerator.device,
-        rtp_size=args.rtp_size,
-        quantization_config=quantization,
-    )
-    topology = hf_rtp.state_of(model).topology
-    log0(
-        accelerator, f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring"
-    )
+    if args.vanilla:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(accelerator.device)
+        log0(accelerator, f"{world} rank(s): plain transformers, each a whole model, under DDP")
+        dp_rank, dp_size = rank, world
+    else:
+        model = hf_rtp.from_pretrained(
+            model_path,
+            dtype=torch.float32,
+            device=accelerator.device,
+            rtp_size=args.rtp_size,
+            quantization_config=quantization,
+        )
+        topology = hf_rtp.state_of(model).topology
+        log0(
+            accelerator,
+            f"{topology.world_size} rank(s): {topology.dp_size} replica(s) of a {topology.rtp_size}-rank ring",
+        )
+        dp_rank, dp_size = topology.dp_rank, topology.dp_size
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -169,7 +193,7 @@ def main(argv=None):
 
     order = GlobalOrder(len(blocks), args.seed)
     # the data-parallel groups: every rank, or with context parallelism every ring (its ranks share a batch)
-    group, groups = (topology.dp_rank, topology.dp_size) if args.context_parallel else (rank, world)
+    group, groups = (dp_rank, dp_size) if args.context_parallel else (rank, world)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available() and not args.no_bf16)
     metrics = os.path.join(args.output_dir, "metrics.jsonl") if rank == 0 else None
     bar = tqdm(total=args.max_steps, initial=step, desc="training", disable=rank != 0)
@@ -233,6 +257,9 @@ def finish(args, accelerator, model, trained, tokenizer):
     if args.lora:
         if accelerator.is_main_process:  # adapters are replicated: rank 0 has all of them
             trained.save_pretrained(final)
+    elif args.vanilla:
+        if accelerator.is_main_process:  # every rank holds the same whole model
+            model.save_pretrained(final)
     else:
         model.save_pretrained(final)  # collective: rank 0 writes the gathered checkpoint
     if accelerator.is_main_process:

@@ -2,6 +2,7 @@
 
     accelerate launch --config_file recipes/configs/cpu.yaml recipes/trainer_sft.py
     torchrun --nproc_per_node 2 recipes/trainer_sft.py
+    ... recipes/trainer_sft.py --vanilla   # the same run on plain transformers, to compare with
 
 This is plain transformers.Trainer: nothing here is specific to hf_rtp but the loading call.
 Trainer wraps the model in DDP (which leaves rotated parameters to the ring) and clips gradients
@@ -58,6 +59,11 @@ def main(argv=None):
     )
     p.add_argument("--save_steps", type=int, default=0, help="write output_dir/checkpoint-N every N steps")
     p.add_argument("--resume_from_checkpoint", help="a checkpoint-N folder this recipe wrote")
+    p.add_argument(
+        "--vanilla",
+        action="store_true",
+        help="the same run on plain transformers (every rank a whole model), to compare hf_rtp with",
+    )
     args = p.parse_args(argv)
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available() and not dist.is_initialized():
@@ -92,7 +98,14 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         blocks = pack(load_texts(args.dataset or default_train), tokenizer, args.seq_len)
 
-    model = hf_rtp.from_pretrained(model_path, dtype=torch.float32, device=training_args.device, rtp_size=args.rtp_size)
+    if args.vanilla:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    else:
+        model = hf_rtp.from_pretrained(
+            model_path, dtype=torch.float32, device=training_args.device, rtp_size=args.rtp_size
+        )
     trainer = Trainer(model=model, args=training_args, train_dataset=Blocks(blocks), processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = os.path.join(args.output_dir, "final")
