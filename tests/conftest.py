@@ -17,6 +17,7 @@ _FIRST = (
     "tests/e2e/test_notebooks.py",
     "tests/faults/test_recipe_faults.py",
     "tests/e2e/test_recipes.py",
+    "tests/e2e/test_users_paths.py",  # the GPU check's launches on the CPU: a loop and six recipe launches
     "tests/faults/test_collective_misuse.py",
     "tests/e2e/test_recipe_on_two_nodes.py",
     "tests/e2e/test_bench.py",

@@ -1,0 +1,104 @@
+"""The GPU check's users' paths (.ci/gpu's users-loop, recipes and trl stages), run here as they run there but on the
+CPU over gloo at a tiny shape: tests/gpu/users_loop.py's torchrun loop, where hf_rtp starts the world itself, and
+tests/gpu/users_recipes.py's `accelerate launch` pairs of recipes/finetune.py, recipes/trainer_sft.py and TRL's sft.py,
+each beside plain transformers and DDP. On a GPU only the device, the backend and the dtypes differ.
+
+The loop's bf16 variants fail their comparison today, on the CPU as on the GPU's first run of them will tell: hf_rtp's
+rotated linear sums an input's gradient over the ring's chunks in the compute dtype (layers/linear.py's
+`walk_backward`: `grad_x` in bf16, one `addmm_` a chunk), where vanilla's one matmul sums in float32 and rounds
+once; every gradient below the LM head is then 2e-3 to 9e-3 (relative L2) from vanilla's, against vanilla's own floor
+of 3e-7 to 1e-3 (docs/testing.md, "On a GPU"). Those tests are strict xfails: they fail CI the day it is fixed, so
+that this note goes with it."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
+BF16_ACCUMULATION = (
+    "known: a rotated linear's input gradient is summed over chunks in bf16 (layers/linear.py walk_backward), "
+    "vanilla's in float32"
+)
+
+
+def _run(script, *args, timeout=1500):
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "gpu", script), *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+    )
+    return done
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    out = tmp_path_factory.mktemp("users-loop")
+    done = _run("users_loop.py", "--device", "cpu", "--out", str(out))
+    assert done.returncode in (0, 1), f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"  # 1: comparisons failed
+    with open(out / "users-loop.json") as f:
+        return json.load(f), done.stdout
+
+
+def _failures(loop, variant):
+    return [f for f in loop[0]["failures"] if f", {variant}:" in f]
+
+
+def test_hf_rtp_starts_the_world_and_a_float32_loop_with_every_feature_is_vanillas(loop):
+    result, stdout = loop
+    assert _failures(loop, "float32") == [], _failures(loop, "float32")
+    for rank in result["ranks"]:
+        assert rank["world_started_before_hf_rtp"] is False and rank["backend"] == "gloo"
+        v = rank["variants"]["float32"]
+        assert v["tiled"] == 2 and v["checkpointing"] and v["rotated"] > 0 and v["compared"] == 21
+        assert len(v["losses"]["rtp"]) == 20 and len(set(v["losses"]["rtp"])) == 20  # a new batch each step
+        assert max(v["grad_gaps"].values()) < 1e-5  # float32 rounding of another order, not a fault
+    assert "float32" in stdout and "world started by hf_rtp: gloo" in stdout
+
+
+def test_generate_greedy_and_sampled_gives_vanillas_tokens_on_every_rank(loop):
+    result, _ = loop
+    assert not [f for f in result["failures"] if "generate" in f]
+    tokens = [rank["generate"]["sampled"]["rtp"] for rank in result["ranks"]]
+    assert tokens[0] != tokens[1]  # each rank its own prompts and seed
+
+
+def test_the_loop_can_fail_bf16_accumulation_is_out_of_its_tolerance(loop):
+    spec = importlib.util.spec_from_file_location("noise_floor", os.path.join(ROOT, "tests", "gpu", "noise_floor.py"))
+    noise_floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noise_floor)
+    tolerance = noise_floor.tolerance
+    for rank in loop[0]["ranks"]:
+        for name in ("autocast", "lora-bf16"):  # where vanilla's gradients are float32
+            v = rank["variants"][name]
+            assert max(v["bf16"].values()) > tolerance(v["floor"]), (name, v["bf16"], v["floor"])
+
+
+@pytest.mark.xfail(strict=True, reason=BF16_ACCUMULATION)
+@pytest.mark.parametrize("variant", ["bf16", "autocast", "lora-bf16"])
+def test_bf16_variants_match_vanilla_within_its_noise_floor(loop, variant):
+    assert _failures(loop, variant) == []
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "trainer", "trl"])
+def test_a_launched_recipe_trains_saves_and_loads_as_on_plain_transformers(tmp_path, recipe):
+    if recipe == "trl":
+        pytest.importorskip("trl")
+    done = _run("users_recipes.py", "--device", "cpu", "--only", recipe, "--out", str(tmp_path))
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    with open(tmp_path / "users-recipes.json") as f:
+        result = json.load(f)
+    measured = result["measured"][recipe]
+    assert result["failures"] == [] and measured["largest loss gap"] < 1e-5, measured
+    assert measured["largest grad_norm gap"] < 1e-5
+    with open(tmp_path / f"{recipe}-rtp.log", errors="replace") as f:
+        log = f.read()
+    if recipe == "finetune":
+        assert "2 rank(s): 1 replica(s) of a 2-rank ring" in log  # launched, distributed, rotated
