@@ -2,11 +2,15 @@
 
 On one H100 shared by two ranks over NCCL (benchmarks/results/gpu-check-h100-run8-nccl.log), a step of the 90M
 Llama took RTP 0.372 s against DDP's 0.058 s and FSDP2's 0.068 s, over 79 hops: about 4 ms a hop. FSDP2 makes
-a comparable number of collectives (an all-gather per layer in forward and backward, a reduce-scatter per layer)
-and paid about 10 ms for all of them. Two explanations fit: a point-to-point exchange between two processes
-that take turns on one GPU costs a time slice where a collective does not, or the ring adds host work per hop on
-CUDA (its header, the watch, the flag it copies to the host). This separates them. Each case makes `--hops`
-messages one after the other, each waited for before the next is posted, as a walk does:
+about 21 collectives a step (an all-gather per unit in forward and in backward, a reduce-scatter per unit; 6 layers
+and the root). Two explanations fit: a point-to-point exchange between two processes that take turns on one GPU
+costs a time slice where a collective does not, or the ring adds host work per hop on CUDA (its header, the watch,
+the flag it copies to the host). This separates them. Its first run (benchmarks/results/hop-latency-h100.json)
+found neither as put: an all-gather waited for alone also costs one time slice (2.26 ms), as a bare hop does, and
+the host's share of a hop is small (0.40 ms watched); the ring's watched hop costs two slices, its header and watch
+together. So FSDP2's 21 collectives, waited for one by one, would take 47 ms: its step, 10 ms above DDP's, shows
+that it does not wait for them one by one (they run on their own streams, ahead of the layers that use them).
+Each case makes `--hops` messages one after the other, each waited for before the next is posted, as a walk does:
 
 - p2p: `dist.batch_isend_irecv` of one send to the next rank and one receive from the previous (what the ring
   posts on NCCL), bare;
