@@ -29,6 +29,7 @@ import pytest
 import torch
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
+from support.user_step import user_step
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -269,29 +270,6 @@ def test_a_training_step_that_moves_its_tokens_waits_for_the_device_no_more_than
 _PROFILED = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero", "aten::masked_select"}
 
 
-def _user_step(model, batch, labels, optimizer, foreach, rotated: bool, reads: Reads | None) -> None:
-    """One training step as users write it: forward with labels, backward, sync_grads (hf_rtp's plain loop; DDP
-    averages in backward), clip_grad_norm_, the optimizer's step; each a phase of `reads` when given."""
-    import hf_rtp
-
-    def phase(name):
-        if reads is not None:
-            reads.phase = name
-
-    phase("forward")
-    loss = model(input_ids=batch, labels=labels).loss
-    phase("backward")
-    loss.backward()
-    if rotated:
-        phase("sync_grads")
-        hf_rtp.sync_grads(model)
-    phase("clip_grad_norm_")
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
-    phase("step")
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def _recorded_steps(model, batch, labels, foreach, rotated: bool) -> tuple[list[dict], int]:
     """Three steps of AdamW (`foreach`: torch's pick, None, or True, CUDA's pick): the first two recorded (the first
     one makes what a model does once in its life), the third profiled. Returns each recorded step's reads, and what the
@@ -301,16 +279,16 @@ def _recorded_steps(model, batch, labels, foreach, rotated: bool) -> tuple[list[
     found = []
     for _ in range(2):
         with Reads() as reads:
-            _user_step(model, batch, labels, optimizer, foreach, rotated, reads)
+            user_step(model, batch, labels, optimizer, rotated, reads, foreach)
         found.append(dict(reads.counts))
     seen = sum(n for (_, op, _), n in found[1].items() if op != "tolist") + reads.asserts  # tolist: no aten op
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        _user_step(model, batch, labels, optimizer, foreach, rotated, None)
+        user_step(model, batch, labels, optimizer, rotated, None, foreach)
     return found, sum(event.name in _PROFILED for event in profiler.events()) - seen
 
 
 def _whole_steps(ckpt, dtype_name: str):
-    """A training step as users run it (`_user_step`), of hf_rtp's model with its weights moving and with its tokens
+    """A training step as users run it (`user_step`), of hf_rtp's model with its weights moving and with its tokens
     moving, and of vanilla's under DDP on the same batch (a masked prompt), with AdamW as torch picks it on the CPU
     and as it picks it on CUDA (foreach): the reads of each step by phase, what the recorder did not see, and how
     many token walks the rotated steps made."""

@@ -27,6 +27,7 @@ import torch
 from gpu_world import NCCL_WORLD, NO_CUDA, join_world
 from support.models import global_batch, make_tiny
 from support.spawn import run_on_ranks
+from support.user_step import user_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,27 +86,6 @@ def _place() -> str:
     return "elsewhere"
 
 
-def _user_step(model, batch, labels, optimizer, rotated: bool, syncs: Syncs | None) -> None:
-    import hf_rtp
-
-    def phase(name):
-        if syncs is not None:
-            syncs.phase = name
-
-    phase("forward")
-    loss = model(input_ids=batch, labels=labels).loss
-    phase("backward")
-    loss.backward()
-    if rotated:
-        phase("sync_grads")
-        hf_rtp.sync_grads(model)
-    phase("clip_grad_norm_")
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    phase("step")
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def _watched_steps(ckpt):
     """Each model's second step under torch's sync debug mode: {name: {(phase, place): waits}}, and how many token
     walks each rotated model's watched step made."""
@@ -130,12 +110,12 @@ def _watched_steps(ckpt):
     for name, model in (("vanilla", vanilla), *models.items()):
         rotated = name != "vanilla"
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # foreach: torch's pick for CUDA tensors
-        _user_step(model, batch, labels, optimizer, rotated, None)  # once in a model's life: unwatched
+        user_step(model, batch, labels, optimizer, rotated, None)  # once in a model's life: unwatched
         torch.cuda.synchronize()
         ring = hf_rtp.state_of(model).topology.ring if rotated else None
         before = ring.token_walks if ring is not None else 0
         with Syncs() as syncs:
-            _user_step(model, batch, labels, optimizer, rotated, syncs)
+            user_step(model, batch, labels, optimizer, rotated, syncs)
         torch.cuda.synchronize()
         found[name] = dict(syncs.counts)
         walks[name] = ring.token_walks - before if ring is not None else 0
