@@ -35,8 +35,12 @@ def _step_and_decode(ckpt: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = global_batch(world, batch=1 + rank % 2, seq=5 + 2 * rank, seed=3)[rank]  # each rank its own shape
     out = {}
-    for moves in ("weights", "activations"):
-        model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, rotation_moves=moves, fused_loss=True).train()
+    # under bf16 autocast over float32 weights the weights travel in bf16: a watched walk casts its own piece into
+    # the pool's slot, where the plain one casts it into a tensor of its own
+    for case in ("weights", "activations", "weights-autocast"):
+        moves, autocast = case.removesuffix("-autocast"), case.endswith("-autocast")
+        dtype = torch.float32 if autocast else torch.float64
+        model = hf_rtp.from_pretrained(ckpt, dtype=dtype, rotation_moves=moves, fused_loss=True).train()
         ring = hf_rtp.state_of(model).topology.ring
         runs = []
         for watched in (False, True):
@@ -44,7 +48,8 @@ def _step_and_decode(ckpt: str):
                 _watch(ring)
             model.zero_grad(set_to_none=True)
             before = (ring.exchanges, ring.messages, ring.token_walks)
-            loss = model(input_ids=batch, labels=batch).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if hasattr(p.grad, "full_tensor")}
             grads |= {n: p.grad for n, p in model.named_parameters() if not hasattr(p.grad, "full_tensor")}
@@ -64,11 +69,11 @@ def _step_and_decode(ckpt: str):
             )
         ring._watch.check()  # no header differed on walks that matched
         plain, watched = runs
-        assert watched["loss"] == plain["loss"], (moves, rank)
-        assert torch.equal(watched["tokens"], plain["tokens"]), (moves, rank)
+        assert watched["loss"] == plain["loss"], (case, rank)
+        assert torch.equal(watched["tokens"], plain["tokens"]), (case, rank)
         for name, grad in plain["grads"].items():
-            assert torch.equal(watched["grads"][name], grad), (moves, rank, name)
-        out[moves] = {k: plain[k] for k in ("exchanges", "messages", "token_walks")} | {
+            assert torch.equal(watched["grads"][name], grad), (case, rank, name)
+        out[case] = {k: plain[k] for k in ("exchanges", "messages", "token_walks")} | {
             "watched": {k: watched[k] for k in ("exchanges", "messages", "token_walks")}
         }
         del model
