@@ -31,7 +31,7 @@ from .distributed.ranks.topology import Topology, setup
 from .errors import CheckpointError, KeywordError, SettingError, TopologyError
 from .folders.commit import recover_before_reading
 from .integrations import bitsandbytes, torchao
-from .integrations.accelerate import check_accelerate_state
+from .integrations.accelerate import adopt_built_accelerators, check_accelerate_state
 from .model.heads import fresh_head, initialise_head
 from .model.install import install
 from .model.step_check import check_steps
@@ -71,6 +71,7 @@ def start(settings: Settings, device_mesh: DeviceMesh | None, rtp_size: int | No
     with agreed(topology.control, TopologyError):
         faults.check()  # a misspelt fault point is an error, not a test that injects nothing
     check_accelerate_state(topology.world_size)
+    adopt_built_accelerators()
     return topology
 
 

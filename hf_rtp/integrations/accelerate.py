@@ -186,7 +186,14 @@ def adopt_caller(model) -> None:
     model load. Its `prepare` does not move a model holding DTensors (`model_has_dtensor`), so DDP's read is the one
     step of `prepare` that hf_rtp sees."""
     accelerator = _preparing_accelerator(depth=12)
-    if accelerator is None or accelerator.__dict__.get(_ADOPTED):
+    if accelerator is not None:
+        adopt(accelerator, model)
+
+
+def adopt(accelerator, model) -> None:
+    """hf_rtp.Accelerator's save_state, load_state, save_model and maybe_context_parallel on this instance of a
+    plain `accelerate.Accelerator` that prepares the rotated `model` for training (`adopt_caller`)."""
+    if accelerator.__dict__.get(_ADOPTED):
         return
     state = state_of(model, required=False)
     if state is not None:
@@ -208,6 +215,19 @@ def adopt_caller(model) -> None:
             + "; ".join(consequence.get(n, f"{n}: refuses to save rank 0's rows") for n in own)
             + ". Subclass hf_rtp.Accelerator instead to keep your override and run the rotated model's"
         )
+
+
+def adopt_built_accelerators() -> None:
+    """A plain `accelerate.Accelerator` built before a rotated model is loaded (run_clm_no_trainer.py builds it
+    first), on accelerator devices: its `prepare` would refuse the model (`_wraps_ddp_on_devices`), so it gets
+    hf_rtp's `prepare_model` now, on that instance only (`adopt_for_trainer`). One walk over the collector's
+    objects per load, only where an Accelerator's state exists; one built after the load is refused by accelerate
+    itself on GPUs (docs/integrations.md: build it first, or build hf_rtp.Accelerator)."""
+    if not state_exists():
+        return
+    for accelerator in [o for o in gc.get_objects() if issubclass(type(o), accelerate.Accelerator)]:
+        if _wraps_ddp_on_devices(accelerator):
+            adopt_for_trainer(accelerator)
 
 
 def adopt_for_trainer(accelerator) -> None:
@@ -235,10 +255,53 @@ def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
     if not evaluation_mode:
         models, optimizers = prepared(self)
         set_prepared(self, [m for m in models if m is not model], optimizers)
+        if _wraps_ddp_on_devices(self):
+            return _prepare_on_devices(self, model, device_placement)
     result = accelerate.Accelerator.prepare_model(self, model, device_placement, evaluation_mode)
     if evaluation_mode and result is model:
         forget_prepared(model)
     return result
+
+
+def _wraps_ddp_on_devices(accelerator) -> bool:
+    """Whether accelerate's `prepare_model` wraps a model for training in DDP on accelerator devices (CUDA, XPU,
+    ...): there accelerate 1.15 refuses any model holding DTensors first (`model_has_dtensor`: "incompatible with
+    DDP. Maybe you loaded your model with device_map='auto'?"), a guard for DTensors that DDP would broadcast and
+    all-reduce as plain tensors. A rotated model's DTensors are the ones DDP ignores (model/data_parallel.py). On
+    the CPU (MULTI_CPU) accelerate wraps without that guard."""
+    config = accelerator.parallelism_config
+    return bool(accelerator.multi_device) and not (config is not None and config.tp_enabled)
+
+
+def _prepare_on_devices(self, model, device_placement):
+    """accelerate's prepare for training on accelerator devices, on a rotated model: its evaluation-mode prepare
+    (mixed precision's autocast on forward, device placement, as the training prepare applies them), then the
+    DDP wrap as accelerate's own multi-device branch makes it (its DDP kwargs handler and comm hook, one device per
+    process), which reads the rotated parameters DDP must leave alone. Called for every Accelerator hf_rtp adopts:
+    hf_rtp.Accelerator, a Trainer's (TRL's too), and a plain one built before the model was loaded."""
+    adopt(self, model)
+    result = accelerate.Accelerator.prepare_model(self, model, device_placement, evaluation_mode=True)
+    if result is not model:  # torch.compile or an fp8 wrapper, which accelerate applies around DDP, not inside it
+        raise IntegrationError(
+            f"accelerate wrapped the rotated model in {type(result).__name__} before DDP; hf_rtp's rotated layers "
+            "run without torch.compile and fp8 wrappers: remove the Accelerator's dynamo or fp8 setting"
+        )
+    forget_prepared(model)  # accelerate marks what it returns: here the DDP wrapper, as its training prepare does
+    if any(p.requires_grad for p in model.parameters()):
+        kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+        if os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP", "false") == "true":
+            device_ids, output_device = None, None
+        elif self.device.type == "hpu":
+            device_ids, output_device = [self.device.index], self.device.index
+        else:
+            device_ids, output_device = [self.local_process_index], self.local_process_index
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, output_device=output_device, **kwargs
+        )
+        if self.ddp_handler is not None:
+            self.ddp_handler.register_comm_hook(model)
+    model._is_accelerate_prepared = True
+    return model
 
 
 def _preparing_accelerator(depth: int):

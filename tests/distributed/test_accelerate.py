@@ -6,6 +6,7 @@ The loss of each step is scaled by a random factor drawn from the global RNG, so
 not restore every rank's RNG (or the optimizer, or the scheduler) gives other losses.
 """
 
+import functools
 import os
 
 import pytest
@@ -180,3 +181,49 @@ def test_plain_accelerate_that_never_wrapped_the_model_refuses_to_write_one_rank
     if partial.exists():
         with pytest.raises(RuntimeError, match="PytorchStreamReader failed"):  # torch.save stopped midway
             torch.load(partial, weights_only=True)
+
+
+def _on_devices(ckpt, plain):
+    """accelerate's multi-device prepare (MULTI_GPU's branch), reached on the CPU by an Accelerator whose
+    `multi_device` reads True, with accelerate's ACCELERATE_BYPASS_DEVICE_MAP giving DDP no device ids, as a CPU
+    module needs. There accelerate 1.15 refuses any model holding DTensors before it wraps DDP; on an H200 every
+    launched recipe died of it (benchmarks/results/gpu-check-h200-run12.log). The GPU check's recipes stage runs the
+    real branch."""
+    import accelerate
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
+    base = accelerate.Accelerator if plain else hf_rtp.Accelerator
+
+    class OnDevices(base):  # type: ignore[misc, valid-type]
+        @property
+        def multi_device(self):
+            return True
+
+    # plain: built before the load, as run_clm_no_trainer.py builds it (one built after is accelerate's to refuse)
+    accelerator = OnDevices(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    batch = global_batch(world, seed=3)[rank]
+    grads = []
+    # the fused loss sums its softmax in float32: off, so float64 compares to rounding
+    for load in (AutoModelForCausalLM.from_pretrained, functools.partial(hf_rtp.from_pretrained, fused_loss=False)):
+        model = accelerator.prepare(load(ckpt, dtype=torch.float64).train())
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        unwrapped = accelerator.unwrap_model(model)
+        grads.append({n: _full(p.grad) for n, p in unwrapped.named_parameters()})
+        # the DDP wrapper is marked as prepared, not the model, as accelerate's own training prepare leaves them
+        assert getattr(model, "_is_accelerate_prepared", False) and "_is_accelerate_prepared" not in unwrapped.__dict__
+    vanilla, rotated = grads
+    assert vanilla.keys() == rotated.keys()
+    return {n: (rotated[n] - vanilla[n]).abs().max().item() / vanilla[n].abs().max().item() for n in vanilla}
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["hf_rtp-accelerator", "plain-accelerator"])
+def test_accelerates_multi_device_prepare_wraps_a_rotated_model_in_ddp(tmp_path, plain):
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for gaps in run_on_ranks(_on_devices, 2, ckpt, plain):
+        # every gradient DDP's, averaged over both ranks' batches, before any optimizer (float64: to rounding)
+        assert max(gaps.values()) < 1e-10, gaps
