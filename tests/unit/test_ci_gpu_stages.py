@@ -123,3 +123,14 @@ def test_ci_gpu_runs_its_stages_through_the_library():
     # the users' paths run first, each a stage of its own
     order = [text.index(f"stage {name} ") for name in ("versions", "users-loop", "recipes", "trl", "tests", "bench")]
     assert order == sorted(order)
+
+
+def test_a_selection_runs_only_the_named_stages_and_versions_and_says_the_check_was_partial(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_RTP_GPU_STAGES", "recipes,trl")
+    status, summary = _check(tmp_path, "stage versions 5 true\nstage users-loop 5 false\nstage recipes 5 true")
+    assert status == 0, summary
+    assert _status(summary, "versions").startswith("ok") and _status(summary, "recipes").startswith("ok")
+    assert _status(summary, "users-loop") == "not selected (HF_RTP_GPU_STAGES)"
+    assert summary[-1].startswith("=== .ci/gpu: the selected stages passed; 1 not selected")
+    status, summary = _check(tmp_path, "stage recipes 5 false")  # a selected stage that fails still fails it
+    assert status == 1 and summary[-1].startswith("=== .ci/gpu: FAILED")
