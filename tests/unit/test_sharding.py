@@ -85,3 +85,26 @@ def test_what_a_walk_asks_is_computed_once_and_equals_the_rule():
     span = SpanLayout((torch.Size((6, 3)),), 2, (0, 5, 6))
     assert [span.bounds(i) for i in range(2)] == [(0, 5), (5, 6)]
     assert span.walk(2)[1][0] == ((3, 5), (torch.Size((2, 3)),))  # chunk 0's second piece: rows 3 and 4
+
+
+def test_pieces_start_on_eight_rows_so_cublas_runs_its_aligned_kernels():
+    """A piece's rows are its matmul output's leading dimension and the offsets of the output gradient's columns:
+    llama-1b's gate/up pieces of 1639 rows ran cuBLAS's align1 kernels on an H200, 3-5x slower than aligned ones
+    (benchmarks/results/gpu-speed-h200-run12-rtp-rank0-profile.txt). At models' shapes every piece but a chunk's last
+    ends on a multiple of 8 rows (`piece_rows` keeps torch.chunk's size only where rounding up would empty a
+    piece), the pieces tile the chunk, and no piece passes the budget."""
+    import math
+
+    budget = 16_000_000 // 2  # bf16 elements in the ring's 16 MB pieces
+    for rows, width in ((16384, 2048), (2048, 8192), (3072, 2048), (128256, 2048), (4099, 64), (1000, 3)):
+        for world in (2, 3, 4, 8):
+            layout = ChunkLayout((torch.Size((rows, width)),), world)
+            pieces = layout.pieces_for(budget)
+            for j in range(world):
+                start, end = layout.bounds(j)
+                cuts = [layout.piece(j, p, pieces) for p in range(pieces)]
+                assert cuts[0][0] == start and cuts[-1][1] == end  # the pieces tile the chunk
+                assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+                assert all((hi - lo) * width <= max(budget, width) for lo, hi in cuts)
+                assert all((hi - start) % 8 == 0 for _, hi in cuts[:-1]), (rows, world, j, cuts)
+            assert pieces <= max(1, math.ceil(layout.bounds(0)[1] / max(1, budget // width))) + 1
