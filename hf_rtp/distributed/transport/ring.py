@@ -130,14 +130,16 @@ class Ring:
         self._plain = self._watch is None and self.transport == "plain"  # posted by `exchange` itself, directly
         self._next_in_group, self._prev_in_group = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self._likes: dict[tuple, torch.Tensor] = {}
-        # A watched ring's header check: every header that arrives is folded into `_digest` on the device (digest * M
-        # + header, int64, in order), the headers this rank sent into `_expected` on the host the same way; `walked`
-        # compares the two once a walk, into `_mismatch`, which the watch reads without waiting. One small kernel a
-        # hop, one a walk; a header out of place or of another kind changes the digest for good.
-        self._digest: torch.Tensor | None = None
+        # A watched ring's header check: each header is the sender's digest of every hop it made so far (digest * M +
+        # kind and count, int64, in order), computed on the host; the receiver's own digest after the same hop is what
+        # must arrive (every rank makes the same hops in the same order). A header holds the sender's whole history, so
+        # the last one to arrive tells for every hop before it: `walked` compares that one alone, once a walk, into
+        # `_mismatch`, which the watch reads without waiting. No kernel a hop beside the header's fill, one a walk; a
+        # hop out of place or of another kind changes every digest after it (M is odd: a difference never cancels).
         self._expected = 0
+        self._arrived: tuple[int, torch.Tensor, int] | None = None  # the newest hop waited: (count, header, expected)
         self._unchecked = 0  # hops since the last `walked`
-        self._in_flight = 0  # headers sent whose hop was not waited for yet: not in the digest, already expected
+        self._in_flight = 0  # headers sent whose hop was not waited for yet
         self._checked_kinds: set[int] = set()
         self._mismatch: torch.Tensor | None = None
         self._whats = {k: f"a hop of {kind} from global rank {self._prev}" for k, kind in _KINDS.items()}
@@ -200,7 +202,7 @@ class Ring:
                 value = self._header(tag)
                 out[1].fill_(value)  # a fill's value is the kernel's argument: nothing copied from the host
                 peers = [(dist.isend, out[0], self._next, 0), (dist.irecv, into[0], self._prev, 0)]
-                after = functools.partial(self._compare, into[1])
+                after = functools.partial(self._landed, self.exchanges, into[1], value)
                 return self._post(peers, self._whats[tag], after, self._waited)
         sends = [(t.contiguous(), tag + i) for i, t in enumerate(send) if t.numel()]
         recvs = [(t, tag + i) for i, t in enumerate(recv) if t.numel()]
@@ -214,7 +216,7 @@ class Ring:
             header = torch.empty(1, dtype=torch.int64, device=self.device).fill_(value)
             arrived = torch.empty_like(header)
             sends, recvs = [*sends, (header, tag)], [*recvs, (arrived, tag)]
-            after_check = functools.partial(self._compare, arrived)
+            after_check = functools.partial(self._landed, self.exchanges, arrived, value)
         peers = [(dist.isend, t, self._next, k) for t, k in sends] + [(dist.irecv, t, self._prev, k) for t, k in recvs]
         return self._post(peers, what, after_check, self._waited)
 
@@ -270,36 +272,41 @@ class Ring:
         return works, landings
 
     def _header(self, tag: int) -> int:
-        """What a watched hop carries beside its tensors: its kind and how many hops this rank made before it, as one
-        int64 (the kinds' tags are below 256). Known on the host, so it is written by a fill (its value is the
-        kernel's argument: nothing is copied from the host), and the digest it is checked by is computed here."""
+        """What a watched hop carries beside its tensors: this rank's digest of every hop it made, this one included
+        (each hop's kind and how many hops came before it, as one int64: the kinds' tags are below 256). Known on the
+        host, so it is written by a fill (its value is the kernel's argument: nothing is copied from the host), and it
+        is also what this rank expects to receive on the same hop."""
         value = (self.exchanges << 8) | tag
-        self._expected = (self._expected * _MIX + value + _SIGN) % _WRAP - _SIGN  # int64 arithmetic, as the device's
+        self._expected = (self._expected * _MIX + value + _SIGN) % _WRAP - _SIGN  # int64 arithmetic
         self._checked_kinds.add(tag)
         self._unchecked += 1
         self._in_flight += 1
-        return value
+        return self._expected
 
-    def _compare(self, arrived: torch.Tensor) -> None:
-        """After a watched hop: the header that arrived folded into the device's digest (one kernel, no read)."""
-        if self._digest is None:
-            self._digest = torch.zeros(1, dtype=torch.int64, device=arrived.device)
-            self._mismatch = torch.zeros(1, dtype=torch.bool, device=arrived.device)
-        torch.add(arrived, self._digest, alpha=_MIX, out=self._digest)
+    def _landed(self, count: int, arrived: torch.Tensor, expected: int) -> None:
+        """After a watched hop: its header kept for `walked` to compare (a reference, no kernel). The newest hop's
+        stays, should hops be waited out of order (its digest holds the others')."""
+        if self._arrived is None or count > self._arrived[0]:
+            self._arrived = (count, arrived, expected)
         self._in_flight -= 1
         if self._unchecked >= _FOLD_EVERY:  # a long walk (many pieces, many ranks) is checked on the way
             self.walked()
 
     def walked(self) -> None:
-        """The end of a walk: on a watched ring, the digest of the headers that arrived compared with the headers this
-        rank sent (every rank makes the same hops in the same order), into the mismatch flag, which the watch reads
-        without waiting (Watch.flag): one compare, one flag copy and one event a walk, not a hop. Every walk calls it
-        (token walks too); elsewhere it does nothing."""
-        count = self._unchecked
-        if not count or self._digest is None or self._in_flight:  # a hop in flight: its header is not in the digest
+        """The end of a walk: on a watched ring, the newest header that arrived (the sender's digest of all its hops)
+        compared with this rank's own digest after the same hop (every rank makes the same hops in the same order),
+        into the mismatch flag, which the watch reads without waiting (Watch.flag): one compare, one flag copy and one
+        event a walk, not a hop. Every walk calls it (token walks too); elsewhere it does nothing."""
+        count, arrived = self._unchecked, self._arrived
+        if not count or arrived is None or self._in_flight:  # a hop in flight: checked with the walk that waits for it
             return
-        assert self._watch is not None and self._mismatch is not None  # made by watched hops only
-        torch.ne(self._digest, self._expected, out=self._mismatch)  # latched: digests that differ stay different
+        assert self._watch is not None  # watched hops only
+        _, header, expected = arrived
+        if self._mismatch is None:
+            self._mismatch = torch.zeros(1, dtype=torch.bool, device=header.device)
+        # latched by the digests themselves: once two histories differ, every later header differs too
+        torch.ne(header, expected, out=self._mismatch)
+        self._arrived = None  # a header's slot is written again by later hops: compared once, then let go
         kinds = " or ".join(sorted(_KINDS[k] for k in self._checked_kinds))
         self._unchecked, self._checked_kinds = 0, set()
         self._watch.flag(self._mismatch, f"one of {count} hops of {kinds} from global rank {self._prev}")
