@@ -56,6 +56,44 @@ def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a @ b)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+"""Dtypes whose GEMMs sum in float32 and round once, at the end (cuBLAS's and oneDNN's bf16 and fp16 kernels)"""
+
+_OUT_DTYPE = {"cuda": True}  # torch.mm(..., out_dtype=torch.float32) works on this device type (checked at first use)
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of matmul partials over the contraction dimension is kept in: float32 for bf16 and fp16
+    (what their GEMM sums in before it rounds), the dtype itself otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def matmul_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` (2-D) in float32, its sums never rounded to a's bf16 or fp16: a partial of a sum over the
+    contraction dimension that is rounded once, at its end, as vanilla's one GEMM rounds.
+
+    On CUDA `torch.mm(a, b, out_dtype=torch.float32)` (torch >= 2.8, fp16/bf16 inputs: the GEMM writes its
+    float32 accumulator); elsewhere (torch's CPU kernels have no out_dtype) the operands are upcast first, a copy
+    of each in float32 for the matmul: products of bf16 or fp16 values are exact in float32, so the sum is the
+    same float32 sum up to its order."""
+    device = a.device.type
+    if a.dtype == b.dtype and a.dtype in LOW_PRECISION and _OUT_DTYPE.get(device, False):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a build without the overload: upcast from now on
+            _OUT_DTYPE[device] = False
+    return a.float() @ b.float()
+
+
+def add_matmul_summed(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b where `acc` sums partials over the contraction dimension (sum_dtype): in place when the dtypes
+    agree (float32, float64: as before), else the partial in float32 unrounded (matmul_float32)."""
+    if acc.dtype == a.dtype == b.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(matmul_float32(a, b))
+
+
 Compute = Callable[[Sequence[torch.Tensor], torch.Tensor, tuple[int, int], Sequence[torch.Tensor]], None]
 
 

@@ -12,25 +12,35 @@ from transformers.pytorch_utils import Conv1D
 
 from ..distributed.tensors.sharding import ChunkLayout
 from ..distributed.transport.ring import Ring
-from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, rotate_forward
+from .common import (
+    add_matmul,
+    add_matmul_summed,
+    cast_for_matmul,
+    finish_weight_grads,
+    local,
+    rotate_forward,
+    sum_dtype,
+)
 
 
 class _RotatedConv1DFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, ring: Ring, layout: ChunkLayout):
         x2 = x.reshape(-1, x.shape[-1])
-        out = x2.new_zeros(x2.shape[0], layout.global_shapes[0][1])
+        # a sum over the input features' chunks: in float32 for bf16 or fp16 inputs, each chunk's partial unrounded,
+        # rounded to x's dtype once at the end as vanilla's one matmul rounds (a moved token walk carries it so)
+        out = x2.new_zeros(x2.shape[0], layout.global_shapes[0][1], dtype=sum_dtype(x.dtype))
 
         def compute(tokens, out, rows, chunk):
             (x2,) = tokens
             start, end = rows
-            out.addmm_(x2[:, start:end], chunk[0].to(out.dtype))
+            add_matmul_summed(out, x2[:, start:end], chunk[0].to(x2.dtype))
 
         with torch.autocast(x.device.type, enabled=False):
             rotate_forward(ring, [weight], layout, [x2], [0.0], out, compute, dtype=x.dtype)
         ctx.save_for_backward(x, weight)
         ctx.ring, ctx.layout = ring, layout
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..distributed.tensors.sharding import ChunkLayout
 from ..distributed.transport.pool import HEADER_BYTES
 from ..distributed.transport.ring import Ring
-from .common import add_matmul, finish_weight_grads, rotate_forward
+from .common import add_matmul, add_matmul_summed, finish_weight_grads, rotate_forward, sum_dtype
 
 BLOCK_BYTES = 16 * 2**20
 """float32 logits one tile may hold on a CPU: a few cache-sized tiles"""
@@ -222,7 +222,9 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
         # every rank walks the ring whatever its gradients are: its neighbours walk too
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.float()
         grad_entropy = None if grad_entropy is None else grad_entropy.float()
-        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        # the hidden states' gradient sums every tile's and piece's partial over the vocabulary: in float32 for bf16
+        # or fp16 states, each partial unrounded, rounded to h's dtype once at the end as vanilla's one matmul rounds
+        grad_h = torch.zeros_like(h, dtype=sum_dtype(h.dtype)) if ctx.needs_input_grad[0] else None
         wants_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
 
         if ctx.moved is not None and _tokens_fit(ring, h, weight, ctx.moved):  # never with TRL's statistics: no entropy
@@ -244,7 +246,7 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                     if bias is not None:
                         acc[1][r0:r1].add_(dl.sum(0).to(acc[1].dtype))
                 if grad_h is not None:
-                    grad_h[b0:b1].addmm_(dl, piece[0][r0:r1].to(h.dtype))
+                    add_matmul_summed(grad_h[b0:b1], dl, piece[0][r0:r1].to(h.dtype))
 
         bundle = [weight] if bias is None else [weight, bias]
         # The whole tile's work happens where the weights are held: in `accumulate` when the head
@@ -260,7 +262,12 @@ class _FusedCrossEntropyFn(torch.autograd.Function):
                 dtype=h.dtype,
             )
         grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
-        return grad_h, grad_weight, grad_bias, None, None, None, None, None
+        return _rounded(grad_h, h.dtype), grad_weight, grad_bias, None, None, None, None, None
+
+
+def _rounded(grad_h: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The hidden states' gradient, summed in sum_dtype, in their own dtype: rounded once."""
+    return grad_h if grad_h is None or grad_h.dtype == dtype else grad_h.to(dtype)
 
 
 def _blank(stats: torch.Tensor) -> None:
@@ -281,7 +288,8 @@ def _tokens_fit(ring: Ring, h: torch.Tensor, weight: torch.Tensor, bound: int) -
     shares (`bound`, the hidden size and dtype, the pool's plan), so every rank walks the same way. The forward asks
     first, so its token walk, with smaller messages, fits too; backward asks again, for a forward whose walk learned
     of more tokens than its ranks agreed on and walked again with that larger bound."""
-    row = 2 * h.shape[1] * h.element_size() + 8 + 4 + 4
+    # a token's hidden state, and its gradient in sum_dtype (float32 for bf16 states), target, log-sum-exp, loss grad
+    row = h.shape[1] * (h.element_size() + sum_dtype(h.dtype).itemsize) + 8 + 4 + 4
     # a slot holds the largest piece in what the weights travel in (the narrower of theirs and the hidden states'),
     # not in the hidden states' dtype: TRL's float32 head over bf16 weights has half the bytes it would reckon
     slot = ring.pool.planned(h.device) * ring.travel_dtype([weight], h.dtype).itemsize
@@ -309,9 +317,10 @@ def _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants
                 if bias is not None:
                     homes[1][r0:r1].add_(dl.sum(0).to(summed))
             if grad_h is not None:  # else the zeros still travel home: every rank walks alike
-                out[b0:b1].addmm_(dl, piece[0][r0:r1].to(hh.dtype))
+                add_matmul_summed(out[b0:b1], dl, piece[0][r0:r1].to(hh.dtype))
 
-    out = grad_h if grad_h is not None else torch.zeros_like(h)
+    # the travelling gradient in sum_dtype (float32 for bf16 states: _tokens_fit counts it so), rounded once at home
+    out = grad_h if grad_h is not None else torch.zeros_like(h, dtype=sum_dtype(h.dtype))
     bundle = [weight] if bias is None else [weight, bias]
     with torch.autocast(h.device.type, enabled=False):
         # every rank's count is at most the forward's bound, which it brought: no count is read on the host
@@ -324,7 +333,7 @@ def _moved_backward(ctx, h, weight, bias, targets, lse, grad_loss, grad_h, wants
     ring.moved = None  # no later op walks these tokens: the ring need not keep them
     landed = [t if t.dtype == weight.dtype else t.to(weight.dtype) for t in homes] if homes else None
     grad_weight, grad_bias = finish_weight_grads(ctx, landed, ring, (weight, bias))
-    return grad_h, grad_weight, grad_bias, None, None, None, None, None
+    return _rounded(grad_h, h.dtype), grad_weight, grad_bias, None, None, None, None, None
 
 
 def fused_cross_entropy(

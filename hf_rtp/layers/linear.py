@@ -17,7 +17,17 @@ from torch import nn
 
 from ..distributed.tensors.sharding import ChunkLayout
 from ..distributed.transport.ring import Ring
-from .common import add_matmul, cast_for_matmul, finish_weight_grads, local, own_bundle, rotate_forward, source_text
+from .common import (
+    add_matmul,
+    add_matmul_summed,
+    cast_for_matmul,
+    finish_weight_grads,
+    local,
+    own_bundle,
+    rotate_forward,
+    source_text,
+    sum_dtype,
+)
 
 
 class _RotatedLinearFn(torch.autograd.Function):
@@ -62,13 +72,31 @@ class _RotatedLinearFn(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-def walk_backward(ctx, own: list[torch.Tensor], x: torch.Tensor, g2: torch.Tensor):
+def walk_backward(
+    ctx,
+    own: list[torch.Tensor],
+    x: torch.Tensor,
+    g2: torch.Tensor,
+    members: tuple[tuple[tuple[int, int], ...], ...] | None = None,
+    grad_dtype: torch.dtype | None = None,
+):
     """Backward of `x @ W.T (+ b)` over the ring (ctx.ring, ctx.layout; `own`: this rank's weight and bias rows):
     the input's gradient (None unless ctx.needs_input_grad[0]) and the summed weight and bias gradients that came
-    home (Ring.backward_walk; None unless some later input wants one), from `g2` [tokens, rows], the output's."""
+    home (Ring.backward_walk; None unless some later input wants one), from `g2` [tokens, rows], the output's.
+
+    The input's gradient is a sum over the walk's chunks, `sum_c g[:, c] @ W_c`, where vanilla's one matmul sums over
+    every row in float32 and rounds once: a bf16 or fp16 input's is summed here in float32, each chunk's partial
+    unrounded (common.matmul_float32), and rounded to x's dtype once at the end. `members` (stacked linears,
+    layers/stacked.py: each member's runs of the stacked rows): each member's sum apart, rounded apart as its own
+    matmul rounds, then added in `grad_dtype` (the dtype of the input before autocast's cast, default x's) as
+    autograd adds vanilla's separate linears' gradients, the last member's first. float32 and float64 inputs sum
+    in place in their own dtype, as before."""
     x2 = x.reshape(-1, x.shape[-1])
     gm = g2.to(x.dtype)  # what reaches the matmul: autograd casts a promoted sum's gradient back to its dtype
-    grad_x = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+    summed = sum_dtype(x.dtype)
+    apart = members if members is not None and summed != x.dtype else None
+    # a float32 accumulator of the input's size per member (one for a single linear): summed until the walk ends
+    sums = [x2.new_zeros(x2.shape, dtype=summed) for _ in apart or (None,)] if ctx.needs_input_grad[0] else None
     biased = len(own) > 1
 
     def accumulate(rows, _chunk, acc):
@@ -79,17 +107,31 @@ def walk_backward(ctx, own: list[torch.Tensor], x: torch.Tensor, g2: torch.Tenso
 
     def input_grad(rows, chunk):
         start, end = rows
-        assert grad_x is not None  # input_grad runs only when grad_x was made
-        grad_x.addmm_(gm[:, start:end], chunk[0].to(gm.dtype))
+        assert sums is not None  # input_grad runs only when the sums were made
+        weight = chunk[0].to(gm.dtype)
+        if apart is None:
+            add_matmul_summed(sums[0], gm[:, start:end], weight)
+            return
+        for acc, runs in zip(sums, apart, strict=True):
+            for a, b in runs:
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi:
+                    add_matmul_summed(acc, gm[:, lo:hi], weight[lo - start : hi - start])
 
     landed = ctx.ring.backward_walk(
         own,
         ctx.layout,
         accumulate if any(ctx.needs_input_grad[1:]) else None,
-        input_grad if grad_x is not None else None,
+        input_grad if sums is not None else None,
         dtype=x.dtype,
     )
-    return (grad_x.view_as(x) if grad_x is not None else None), landed
+    if sums is None:
+        return None, landed
+    into = grad_dtype or x.dtype
+    grad_x = sums[-1].to(x.dtype).to(into)  # rounded once to the matmul's dtype, as vanilla's GEMM rounds
+    for acc in reversed(sums[:-1]):
+        grad_x = grad_x + acc.to(x.dtype).to(into)
+    return grad_x.view(x.shape), landed
 
 
 class RotatedLinear(nn.Linear):

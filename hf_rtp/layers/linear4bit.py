@@ -29,7 +29,7 @@ from torch import nn
 
 from ..distributed.tensors.sharding import ChunkLayout
 from ..distributed.transport.ring import Ring
-from .common import local, rotate_forward
+from .common import add_matmul_summed, local, rotate_forward, sum_dtype
 from .linear import RotatedLinear
 
 ABSMAX_BYTES = 4  # float32
@@ -139,14 +139,17 @@ def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype)
     if not ctx.needs_input_grad[0]:
         return None, grad_bias, *rest
-    grad_x = grad_out.new_zeros(*grad_out.shape[:-1], ctx.module.in_features, dtype=dtype)
+    g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+    # a sum over the walk's pieces: in float32 for bf16 or fp16, each piece's partial unrounded, rounded to `dtype`
+    # once at the end, as bitsandbytes' one matmul over the whole dequantized weight rounds
+    grad_x = g2.new_zeros(g2.shape[0], ctx.module.in_features, dtype=sum_dtype(dtype))
 
     def input_grad(rows, chunk):
         weight = dequantized(rows, chunk[0]).to(dtype)
-        grad_x.add_(torch.matmul(grad_out[..., rows[0] : rows[1]].to(dtype), weight))
+        add_matmul_summed(grad_x, g2[:, rows[0] : rows[1]], weight)
 
     ctx.ring.backward_walk([joined(pieces)], ctx.layout, None, input_grad)
-    return grad_x, grad_bias, *rest
+    return grad_x.to(dtype).view(*grad_out.shape[:-1], -1), grad_bias, *rest
 
 
 class _DequantizedFn(torch.autograd.Function):

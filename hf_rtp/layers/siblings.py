@@ -130,7 +130,6 @@ class Siblings:
             if order is None:
                 order = self._orders[(group, x.device)] = torch.argsort(torch.cat(columns))
             return modules[0].walk_rows(x, modules, layout, (columns, order))
-        x = cast_for_matmul(x)
         biases = [local(m.bias) for m in modules] if modules[0].bias is not None else None
         return list(stacked_linear(x, modules[0].ring, layout, weights, biases))
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..distributed.tensors.sharding import StackedLayout
 from ..distributed.transport.ring import Ring
-from .common import finish_weight_grads, rotate_forward
+from .common import cast_for_matmul, finish_weight_grads, rotate_forward
 from .linear import walk_backward
 
 _FIXED = 4  # the Function's inputs before the members' weights: x, ring, layout, spans
@@ -67,7 +67,10 @@ def _gathered(out: torch.Tensor, spans: Spans) -> torch.Tensor:
 
 class _StackedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ring: Ring, layout: StackedLayout, spans: tuple[Spans, ...], *params):
+    def forward(ctx, given, ring: Ring, layout: StackedLayout, spans: tuple[Spans, ...], *params):
+        # autocast's cast here, not before the Function: backward adds the members' input gradients in the
+        # input's own dtype, as vanilla's members, each with its own cast, have autograd add them
+        x = cast_for_matmul(given)
         count = len(layout.members)
         weights, biases = params[:count], params[count:]
         out = x.new_empty(*x.shape[:-1], layout.rows)
@@ -81,7 +84,7 @@ class _StackedLinearFn(torch.autograd.Function):
             rotate_forward(ring, own, layout, [x.reshape(-1, x.shape[-1])], [0.0], flat, compute, x.dtype)
             outputs = tuple(_gathered(out, member) for member in spans)  # new tensors, not views of `out`
         ctx.save_for_backward(x, *params)
-        ctx.ring, ctx.layout, ctx.spans, ctx.count = ring, layout, spans, count
+        ctx.ring, ctx.layout, ctx.spans, ctx.count, ctx.given = ring, layout, spans, count, given.dtype
         return outputs
 
     @staticmethod
@@ -99,7 +102,8 @@ class _StackedLinearFn(torch.autograd.Function):
             for member, g in zip(ctx.spans, grad_outs, strict=True)
         ]
         g2 = torch.cat([member_grads[m][:, at : at + width] for m, at, width in _in_stacked_order(ctx.spans)], dim=1)
-        grad_x, landed = walk_backward(ctx, _own(weights, biases), x, g2)
+        # each member's input gradient summed apart (its runs of the stacked rows), added as autograd adds vanilla's
+        grad_x, landed = walk_backward(ctx, _own(weights, biases), x, g2, ctx.spans, ctx.given)
         sizes = layout.own_sizes(ring.rank)
         split = [t.split(sizes) for t in landed] if landed is not None else None
         weight_grads, bias_grads = [], []
