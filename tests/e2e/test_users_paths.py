@@ -17,7 +17,10 @@ once a step makes LoRA's B nonzero the adapters add input gradients too, and a s
 (layers/stacked.py) hands autograd its members' sum at once, where vanilla's autograd adds each base gradient beside
 its adapter's: the same bf16 terms in another order (at 3 steps the loss is 1.1e-5 off, against a floor of 1e-7;
 with STACKED empty the loop follows vanilla to 1e-7 for 6 steps).
-The tiled variants are strict xfails: they fail CI the day that is fixed, so that this note goes with it."""
+autocast-untiled (the MLPs whole, offload off) isolates the ring's sums under autocast: its first gradients hold
+(within 4 x vanilla's floor), but over 20 AdamW steps its losses leave the floor's tolerance at step 12 (2.6e-5
+against 2.2e-5), not traced yet (the stacked walk's order of adds is the first suspect, as for lora-bf16).
+The variants that fail are strict xfails: they fail CI the day that is fixed, so that this note goes with it."""
 
 import importlib.util
 import json
@@ -32,6 +35,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "
 KNOWN = {
     "bf16": "known: tiled_mlp rounds each tile's weight gradient to bf16, vanilla's one matmul once",
     "autocast": "known: tiled_mlp rounds each tile's weight gradient to bf16, vanilla's one matmul once",
+    # untiled, its first gradients hold (within the floor); its losses drift past it by step 12 of 20 (2.6e-5
+    # against 2.2e-5): not traced yet, see the module's docstring
+    "autocast-untiled": "known: losses drift past the floor after ~12 AdamW steps; the first gradients hold",
 }
 
 
@@ -92,10 +98,20 @@ def test_the_loop_can_fail_bf16_accumulation_is_out_of_its_tolerance(loop):
 
 @pytest.mark.parametrize(
     "variant",
-    [*(pytest.param(v, marks=pytest.mark.xfail(strict=True, reason=why)) for v, why in KNOWN.items()), "lora-bf16"],
+    [
+        *(pytest.param(v, marks=pytest.mark.xfail(strict=True, reason=why)) for v, why in KNOWN.items()),
+        "lora-bf16",
+    ],
 )
 def test_bf16_variants_match_vanilla_within_its_noise_floor(loop, variant):
     assert _failures(loop, variant) == []
+
+
+def test_untiled_autocast_first_gradients_are_vanillas_within_the_floor(loop):
+    """The ring's sums alone under autocast, before any optimizer: every gradient within the floor's tolerance (the
+    failures the loop names for this variant are its later losses only)."""
+    assert _failures(loop, "autocast-untiled")  # the losses' drift above: when it goes, so does this xfail's note
+    assert not [f for f in _failures(loop, "autocast-untiled") if "gradient" in f]
 
 
 # CI's 15 minutes on 2 cores: the plain-loop recipe here; the Trainer recipe and TRL's script launched beside vanilla

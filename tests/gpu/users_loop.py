@@ -11,6 +11,8 @@ runs in that world. Each variant, from the same checkpoint, three models side by
   (hf_rtp's `activation_checkpointing_enable(offload=True)`: pinned host memory on CUDA, ignored by name on the
   CPU), the MLPs tiled on the ring (`tiled_mlp`, two tiles per rank); vanilla with transformers' own checkpointing;
 - autocast: float32 weights under bf16 autocast, the same features;
+- autocast-untiled: the same, checkpointing on, the MLPs whole and offload off: the ring's own sums under autocast,
+  apart from tiling, which rounds each tile's weight gradient to bf16 where vanilla's one matmul rounds once;
 - lora-bf16: LoRA adapters (PEFT's defaults, all linear layers) on a bf16 base, checkpointing on;
 
 and for each: hf_rtp, vanilla DDP, and vanilla DDP with every rank's batch in reversed order (the noise floor,
@@ -49,6 +51,7 @@ VARIANTS = {  # name: (weights' dtype, bf16 autocast, tiled MLP and offload, LoR
     "float32": ("float32", False, True, False),
     "bf16": ("bfloat16", False, True, False),
     "autocast": ("float32", True, True, False),
+    "autocast-untiled": ("float32", True, False, False),  # the ring's sums alone: tiling rounds per tile (testing.md)
     "lora-bf16": ("bfloat16", False, False, True),
 }
 SHAPES = {  # a GPU shape whose layer inputs pass offload's 1 MiB threshold (model/offload.py), and CI's tiny one
