@@ -101,7 +101,17 @@ DEVICES = {"cpu": CPU, "cuda": CUDA}
 # Process groups whose collectives carry a strategy's CUDA tensors, each its own NCCL communicator: DDP's, FSDP2's
 # and TP's world; RTP's ring (point to point) and its mesh (replicated gradients, DTensor ops); HSDP's shard and
 # replicate groups. Rings of K with replicas add the replicas' group (`_groups`).
-GROUPS = {"single": 0, "ddp": 1, "fsdp2": 1, "tp": 1, "rtp": 2, "rtp-unfused": 2, "rtp-cp": 2, "hsdp": 2}
+GROUPS = {
+    "single": 0,
+    "ddp": 1,
+    "fsdp2": 1,
+    "tp": 1,
+    "rtp": 2,
+    "rtp-unfused": 2,
+    "rtp-cp": 2,
+    "hsdp": 2,
+    "rtp-offload": 2,
+}
 
 
 def device_terms(device: str) -> DeviceTerms:
@@ -388,8 +398,13 @@ def estimate(
     device: str = "cpu",
     tiled_mlp: bool | int | str = "auto",
     checkpoint_offload: bool = False,
+    optimizer_offload: bool = False,
 ) -> dict[str, float]:
     """Estimated peak training bytes per rank for each strategy (`single` ignores world_size).
+
+    `optimizer_offload`: adds the rows with the optimizer's state and step in host memory (memory_offload.py):
+    `rtp-offload` (hf_rtp.CPUOffloadOptimizer), `fsdp2-offload` (FSDP2's CPUOffloadPolicy) and `zero3-offload`
+    (DeepSpeed ZeRO-3 with offload_optimizer); `memory_offload.host_bytes` gives their host memory.
 
     `checkpoint_offload` (with `gradient_checkpointing`): the RTP rows with model/offload.py's offload, each
     checkpointed layer's input in host memory (`checkpointed_inputs` per rank) but two: the one being recomputed and
@@ -503,6 +518,26 @@ def estimate(
         )
     if ring < n:
         result["hsdp"] = fsdp2(ring)
+    if optimizer_offload:
+        from . import memory_offload
+
+        # On the device stay the parameters and their gradients (the step's temporaries are the host's): the larger
+        # of the step (both) and backward's start (the parameters, the activations, the logits' gradient).
+        def offloaded(held: float, activations: float, logits: float) -> float:
+            return max(2 * held, held + activations + 2 * logits) + terms.in_allocator
+
+        gathered = travel / size
+        result["rtp-offload"] = (
+            offloaded(total, saved, logits) if ring == 1 else offloaded(rtp_local * size, fused, 0) + pool
+        )
+        # FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and the step in host memory: on the device the
+        # unsharded root and layers (with each layer's shard copied over before its all-gather), as fsdp2's backward
+        result["fsdp2-offload"] = (
+            (root + 2 * layer) * gathered + 2 * layer / n + saved + max(2 * logits, root) + terms.in_allocator
+        )
+        result["zero3-offload"] = memory_offload.zero3_device(
+            config, n, batch=batch, seq=seq, gradient_checkpointing=gradient_checkpointing, terms=terms
+        )
     for strategy in result:
         result[strategy] += outside_allocator(strategy, 1 if strategy == "single" else n, device, rtp_size)
     return result
@@ -639,7 +674,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --gradient-checkpointing: the RTP rows with activation_checkpointing_enable(offload=True), each "
         "layer's checkpointed input in pinned host memory; prints the host memory a node of --gpus-per-node needs",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for --checkpoint-offload (default 8)")
+    p.add_argument(
+        "--optimizer-offload",
+        action="store_true",
+        help="adds the rows with the optimizer's state and step in host memory: hf_rtp.CPUOffloadOptimizer, FSDP2's "
+        "CPUOffloadPolicy (accelerate's cpu_offload) and DeepSpeed ZeRO-3 with offload_optimizer, each with the host "
+        "memory a node of --gpus-per-node needs",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="ranks per node, for the host memory --checkpoint-offload and --optimizer-offload print (default 8)",
+    )
     p.add_argument(
         "--tiled-mlp",
         type=tiled_setting,
@@ -735,6 +782,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> dict[str, float]:
         device=args.device,
         tiled_mlp=args.tiled_mlp,
         checkpoint_offload=args.checkpoint_offload,
+        optimizer_offload=args.optimizer_offload,
     )
     states = model_states_bytes(config, dtype, args.optimizer)
     print(
@@ -750,8 +798,11 @@ def main(argv=None, args: argparse.Namespace | None = None) -> dict[str, float]:
             "rtp-unfused": "   (from_pretrained(..., fused_loss=False))",
             "hsdp": f"   (FSDP2 sharded over {args.rtp_size}, replicated across)",
             "rtp-cp": f"   (context parallelism: a sequence cut across {args.rtp_size or args.world_size} ranks)",
+            "rtp-offload": "   (hf_rtp.CPUOffloadOptimizer)",
+            "fsdp2-offload": "   (FSDP2 with CPUOffloadPolicy, estimated)",
+            "zero3-offload": "   (DeepSpeed ZeRO-3 with offload_optimizer, bf16, estimated)",
         }.get(strategy, "")
-        print(f"  {strategy:<11} {value / 1e9:7.3f} GB per rank" + note)
+        print(f"  {strategy:<13} {value / 1e9:7.3f} GB per rank" + note)
     if args.checkpoint_offload:
         model = _meta_model(config, dtype)
         ring = args.rtp_size or args.world_size
@@ -760,5 +811,22 @@ def main(argv=None, args: argparse.Namespace | None = None) -> dict[str, float]:
         print(
             f"  checkpoint offload, pinned host memory per node of {per_node} GPUs: {rtp * per_node / 1e9:.1f} GB "
             f"for rtp, {cp * per_node / 1e9:.1f} GB for rtp-cp (each rank's checkpointed layer inputs)"
+        )
+    if args.optimizer_offload:
+        from .memory_offload import host_bytes
+
+        per_node = min(args.gpus_per_node, args.world_size)
+        host = host_bytes(
+            config,
+            args.world_size,
+            dtype=dtype,
+            optimizer=args.optimizer,
+            rtp_size=args.rtp_size,
+            pin=args.device == "cuda",
+        )
+        print(
+            f"  optimizer offload, host memory per node of {per_node} GPUs (float32 masters, gradient buffers and "
+            f"{args.optimizer}'s state): "
+            + ", ".join(f"{value * per_node / 1e9:.1f} GB for {strategy}" for strategy, value in host.items())
         )
     return result

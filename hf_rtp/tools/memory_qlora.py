@@ -183,8 +183,11 @@ def main(argv=None) -> dict:
         return memory.main(args=args)
     if args.world_size < 1:
         raise SystemExit("--world-size must be at least 1")
-    if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast:
-        raise SystemExit("--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast")
+    if args.rtp_size is not None or args.optimizer != "adamw" or args.autocast or args.optimizer_offload:
+        raise SystemExit(
+            "--load-in-4bit estimates one flat ring with AdamW on the adapters, without --autocast or "
+            "--optimizer-offload"
+        )
     if args.lora_rank < 1:
         raise SystemExit("--lora-rank must be at least 1")
     if args.checkpoint_offload and not args.gradient_checkpointing:

@@ -131,6 +131,7 @@ CLI = {
         "--optimizer": "adamw",
         "--gradient-checkpointing": False,
         "--checkpoint-offload": False,
+        "--optimizer-offload": False,
         "--gpus-per-node": 8,
         "--tiled-mlp": "auto",
         "--autocast": False,
