@@ -19,11 +19,12 @@ What it keeps of torch's optimizer contract:
 - `state` maps each parameter to its state (host tensors of this rank's rows), and `state_dict()` presents a
   rotated parameter's state as rotated tensors on its mesh (`load_state_dict` takes them back), so
   `save_training_state` / `load_training_state` save, resume and reshard it like torch's AdamW's; a parameter whose
-  dtype is not float32 also saves its float32 master as `master`;
+  dtype is narrower than its master's also saves the master as `master`;
 - only the parameters that require a gradient get a master (PEFT: the adapters); one that starts to require it
   later gets its master at its first step.
 
-Masters: a float32 parameter's rows are copied into its master at every step, so whatever wrote them (a load,
+Masters are float32, or float64 for a float64 parameter (vanilla's AdamW steps it in float64). A parameter in its
+master's dtype has its rows copied into the master at every step, so whatever wrote them (a load,
 a user's edit) the host step starts from them. A bf16 parameter's float32 master is more than its rows: it follows
 them where their version counter shows a write, and at `load_state_dict` (the saved master, or the loaded rows); a
 write that bypasses the counter (torch.distributed.checkpoint's reader copies bytes straight into the storage) is
@@ -102,8 +103,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         groups = [{**g, "params": list(g["params"])} for g in groups]
-        self._masters: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host float32 master
-        self._grads: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host float32 gradient buffer
+        self._masters: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host master (float32 or float64)
+        self._grads: dict[
+            torch.Tensor, torch.Tensor
+        ] = {}  # device parameter -> host gradient buffer, in the master's dtype
         self._seen: dict[torch.Tensor, int] = {}  # device parameter -> its rows' version when master last matched
         host_groups = [{**g, "params": [self._master(p) for p in g["params"] if p.requires_grad]} for g in groups]
         self._host = optimizer_class(host_groups, **kwargs)
@@ -119,11 +122,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         rows = _rows(p)
         pin = rows.is_cuda and torch.cuda.is_available()
-        master = torch.empty(rows.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+        dtype = torch.promote_types(rows.dtype, torch.float32)  # float32, or a float64 parameter's own
+        master = torch.empty(rows.shape, dtype=dtype, device="cpu", pin_memory=pin)
         master.copy_(rows)
         self._masters[p] = master
         self._seen[p] = version(rows)
-        self._grads[p] = torch.empty(rows.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+        self._grads[p] = torch.empty(rows.shape, dtype=dtype, device="cpu", pin_memory=pin)
         return master
 
     def add_param_group(self, param_group: dict) -> None:
@@ -152,7 +156,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                         continue
                     host["params"].append(self._master(p))  # trainable since the optimizer was made
                 master = self._masters[p]
-                if p.dtype == torch.float32 or version(_rows(p)) != self._seen[p]:
+                if p.dtype == master.dtype or version(_rows(p)) != self._seen[p]:
                     master.copy_(_rows(p), non_blocking=True)  # see "Masters" in the module's docstring
                 if p.grad is None:
                     master.grad = None  # skipped, as torch's optimizers skip a parameter without a gradient
@@ -187,7 +191,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         shown: defaultdict = defaultdict(dict)
         for p, state in self.state.items():
             shown[p] = {key: self._shown(p, value) for key, value in state.items()}
-            if p.dtype != torch.float32:
+            if p.dtype != self._masters[p].dtype:
                 shown[p]["master"] = self._shown(p, self._masters[p])
         kept, self.state = self.state, shown
         try:
@@ -202,7 +206,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's layout, as `state_dict()` gives it (or torch.distributed.checkpoint hands it back, rows resharded):
-        the options into `param_groups`, every state tensor's rows into host memory as float32."""
+        the options into `param_groups`, every state tensor's rows into host memory in its master's dtype."""
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise KeywordError(
@@ -232,7 +236,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     master.copy_(value)
                     self._seen[p] = version(_rows(p))
                 else:
-                    host[key] = value.detach().to("cpu", torch.float32, copy=True)
+                    host[key] = value.detach().to("cpu", master.dtype, copy=True)
             self._host.state[master] = host
         for p, master in self._masters.items():  # the model's rows are loaded already (set_state_dict does them first)
             if not any(key == "master" for key in state_dict["state"].get(_index_of(by_id, p), {})):

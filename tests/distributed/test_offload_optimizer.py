@@ -24,6 +24,7 @@ STEPS, MICRO, SAVED_AT = 4, 2, 2
 # Adam's step is lr * m / (sqrt(v) + eps): float32 summation-order noise in a gradient moves it by far less than
 # 0.1% of a step; a wrong chunk, a stale master or a lost state is off by a whole step
 GRAD_ATOL, GRAD_RTOL, STEP_ATOL = 1e-6, 1e-4, LR * 1e-3
+LOSS_GAPS: list[float] = []  # |loss - vanilla's| of each micro-batch _train compared, in this process
 
 
 def _batches(world: int, step: int, micro: int):
@@ -40,7 +41,7 @@ def _local(p, world, rank, value):
 
 def _train(model, optimizer, steps, world, rank, vanilla=None, theirs=None):
     """`steps` (step indices) of two micro-batches each, clipped; vanilla beside, compared, when given. Returns
-    this rank's losses (per micro-batch) and the largest gaps found (gradients, weights)."""
+    this rank's losses (per micro-batch) and the largest gaps found (gradients, weights, then losses in `LOSS_GAPS`)."""
     import hf_rtp
 
     ref = dict(vanilla.module.named_parameters()) if vanilla is not None else {}
@@ -57,6 +58,7 @@ def _train(model, optimizer, steps, world, rank, vanilla=None, theirs=None):
                     their_loss = vanilla(input_ids=batch, labels=batch).loss
                     (their_loss / MICRO).backward()
                 assert abs(loss.item() - their_loss.item()) <= 1e-5 * abs(their_loss.item()), (loss, their_loss)
+                LOSS_GAPS.append(abs(loss.item() - their_loss.item()))
         hf_rtp.sync_grads(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         if vanilla is not None:
@@ -231,3 +233,113 @@ def test_trainer_takes_the_offloaded_optimizer_and_resumes_from_its_checkpoint(t
         print("vanilla", vanilla, "ours", ours, "resumed", resumed)
         assert len(ours) == 4 and resumed[-2:] == ours[2:], (ours, resumed)
         assert ours == pytest.approx(vanilla, rel=1e-6), (ours, vanilla)
+
+
+# A reshard: the training state saved at 2 ranks, resumed at 3, in float64 (fused_loss=False: the fused LM-head
+# loss computes in float32). Vanilla DDP's run goes on across the change of world size from its own exact copy
+# (torch.save of its weights and AdamW's state), so it stands for the uninterrupted run.
+RESHARD_FROM, RESHARD_TO, FLOAT64_GAP = 2, 3, 1e-12
+
+
+def _float64_pair(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64, fused_loss=False).train()
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).train()
+    return model, vanilla
+
+
+def _reshard_save(ckpt, out):
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model, vanilla = _float64_pair(ckpt)
+    ours = _optimizer(model)
+    theirs = torch.optim.AdamW(vanilla.parameters(), lr=LR, eps=EPS, weight_decay=DECAY)
+    vanilla = DistributedDataParallel(vanilla)
+    losses, grad_gap, weight_gap = _train(model, ours, range(SAVED_AT), world, rank, vanilla, theirs)
+    loss_gap = max(LOSS_GAPS)
+    hf_rtp.save_training_state(f"{out}/ours", model, ours)
+    whole = {}  # what was saved, every tensor whole: the weights and each parameter's host state
+    for name, p in model.named_parameters():
+        for key, value in {"weight": p, **ours.state_dict()["state"][_position(model, p)]}.items():
+            value = value.full_tensor() if _rotated(value) else value
+            whole[f"{name}.{key}"] = value.detach().clone()
+    if rank == 0:
+        torch.save({"model": vanilla.module.state_dict(), "optimizer": theirs.state_dict()}, f"{out}/vanilla.pt")
+        torch.save(whole, f"{out}/ours.pt")
+    torch.distributed.barrier()
+    return {"losses": losses, "loss_gap": loss_gap, "grad_gap": grad_gap, "weight_gap": weight_gap}
+
+
+def _reshard_resume(ckpt, out):
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model, vanilla = _float64_pair(ckpt)
+    ours = _optimizer(model)
+    hf_rtp.load_training_state(f"{out}/ours", model, ours)
+    saved = torch.load(f"{out}/vanilla.pt", weights_only=True)
+    vanilla.load_state_dict(saved["model"])
+    theirs = torch.optim.AdamW(vanilla.parameters(), lr=LR, eps=EPS, weight_decay=DECAY)
+    theirs.load_state_dict(saved["optimizer"])
+    # what the load put in place: this rank's rows of every weight and of AdamW's state, exactly what was saved at 2
+    # ranks, and vanilla's within float64 rounding
+    whole = torch.load(f"{out}/ours.pt", weights_only=True)
+    ref = dict(vanilla.named_parameters())
+    loaded_gaps, vanilla_gap = [], 0.0
+    for name, p in model.named_parameters():
+        cut = rows(p, world, rank) if _rotated(p) else slice(None)
+        for key, mine in {"weight": _local(p, world, rank, p), **ours.state[p]}.items():
+            want = whole[f"{name}.{key}"]
+            if not torch.equal(mine, want if key == "step" else want[cut]):
+                loaded_gaps.append(f"{name}.{key}")
+            if key != "step":
+                theirs_now = ref[name].detach() if key == "weight" else theirs.state[ref[name]][key]
+                vanilla_gap = max(vanilla_gap, (mine - theirs_now[cut]).abs().max().item())
+        if set(ours.state[p]) != set(theirs.state[ref[name]]):
+            loaded_gaps.append(f"{name}: {sorted(ours.state[p])}")
+    vanilla = DistributedDataParallel(vanilla)
+    LOSS_GAPS.clear()
+    losses, grad_gap, weight_gap = _train(model, ours, range(SAVED_AT, STEPS), world, rank, vanilla, theirs)
+    return {
+        "losses": losses,
+        "loss_gap": max(LOSS_GAPS),
+        "grad_gap": grad_gap,
+        "weight_gap": weight_gap,
+        "loaded_gaps": loaded_gaps,
+        "loaded_vanilla_gap": vanilla_gap,
+    }
+
+
+def _position(model, p) -> int:
+    return next(i for i, q in enumerate(model.parameters()) if q is p)
+
+
+def test_offloaded_state_saved_at_2_ranks_resumes_at_3_like_vanilla_ddp_in_float64(tmp_path):
+    """Issue 68's reshard: the training state of CPUOffloadOptimizer saved after step 2 at 2 ranks, loaded at 3 ranks
+    (rows cut anew), holds vanilla's weights and AdamW state row for row, and steps 3 and 4 (two micro-batches each,
+    clipped) give vanilla DDP's losses, gradients and weights within float64 rounding."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    out = str(tmp_path / "state")
+    before = run_on_ranks(_reshard_save, RESHARD_FROM, ckpt, out)
+    after = run_on_ranks(_reshard_resume, RESHARD_TO, ckpt, out)
+    for phase, results in (("saved at 2", before), ("resumed at 3", after)):
+        for rank, result in enumerate(results):
+            gaps = {what: result[f"{what}_gap"] for what in ("loss", "grad", "weight")}
+            print(
+                f"{phase}, rank {rank}: largest gaps to vanilla DDP "
+                + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items())
+            )
+            assert max(gaps.values()) < FLOAT64_GAP, (phase, rank, result)
+    for rank, result in enumerate(after):
+        print(f"resumed at 3, rank {rank}: loaded state against vanilla's {result['loaded_vanilla_gap']:.1e}")
+        assert result["loaded_gaps"] == [], (rank, result["loaded_gaps"])
+        assert result["loaded_vanilla_gap"] < FLOAT64_GAP, (rank, result["loaded_vanilla_gap"])
+        assert len(result["losses"]) == (STEPS - SAVED_AT) * MICRO
