@@ -343,3 +343,59 @@ def test_offloaded_state_saved_at_2_ranks_resumes_at_3_like_vanilla_ddp_in_float
         assert result["loaded_gaps"] == [], (rank, result["loaded_gaps"])
         assert result["loaded_vanilla_gap"] < FLOAT64_GAP, (rank, result["loaded_vanilla_gap"])
         assert len(result["losses"]) == (STEPS - SAVED_AT) * MICRO
+
+
+def _lora_offload(ckpt):
+    """LoRA on q_proj and v_proj (float64, unfused loss) with CPUOffloadOptimizer over every parameter, beside
+    vanilla PEFT under DDP with torch's AdamW: every trainable gradient before each step, every weight after it."""
+    from peft import LoraConfig, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def adapt(model):
+        torch.manual_seed(0)  # init_lora_weights=False: random B too, so every adapter gets a gradient at once
+        config = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj", "v_proj"]
+        )
+        return get_peft_model(model, config)
+
+    model = adapt(hf_rtp.from_pretrained(ckpt, dtype=torch.float64, fused_loss=False)).train()
+    vanilla = adapt(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)).train()
+    ours = _optimizer(model)  # every parameter handed over, as Trainer does: only the adapters get host state
+    theirs = torch.optim.AdamW(vanilla.parameters(), lr=LR, eps=EPS, weight_decay=DECAY)
+    ddp = DistributedDataParallel(vanilla)
+    reference = dict(vanilla.named_parameters())
+    grad_gap = weight_gap = 0.0
+    for step in range(3):
+        batch = _batches(world, step, 0)[rank]
+        model(input_ids=batch, labels=batch).loss.backward()
+        ddp(input_ids=batch, labels=batch).loss.backward()
+        hf_rtp.sync_grads(model)
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                grad_gap = max(grad_gap, (_local(p, world, rank, p.grad) - reference[name].grad).abs().max().item())
+        ours.step(), theirs.step()
+        ours.zero_grad(), theirs.zero_grad()
+        for name, p in model.named_parameters():
+            want = reference[name].detach()[rows(p, world, rank)] if _rotated(p) else reference[name].detach()
+            weight_gap = max(weight_gap, (_local(p, world, rank, p) - want).abs().max().item())
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    offloaded = sorted(n for n, p in model.named_parameters() if p in ours._masters)
+    stated = sorted(n for n, p in model.named_parameters() if ours.state.get(p))
+    return {"grad_gap": grad_gap, "weight_gap": weight_gap, "trainable": trainable, "offloaded": offloaded,
+            "stated": stated}  # fmt: skip
+
+
+def test_lora_adapters_alone_are_offloaded_and_step_like_vanilla_peft_under_ddp(tmp_path):
+    """PEFT (issue 68 point 1): with LoRA only the adapters get a host master and AdamW state; their gradients
+    before each of 3 AdamW steps and every weight after them equal vanilla PEFT + DDP's within float64 rounding."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for rank, result in enumerate(run_on_ranks(_lora_offload, 2, ckpt)):
+        print(f"rank {rank}: LoRA gradient gap {result['grad_gap']:.1e}, weight gap {result['weight_gap']:.1e}")
+        assert result["trainable"] and all("lora_" in n for n in result["trainable"]), result["trainable"]
+        assert result["offloaded"] == result["stated"] == result["trainable"], result
+        assert result["grad_gap"] < FLOAT64_GAP and result["weight_gap"] < FLOAT64_GAP, (rank, result)
