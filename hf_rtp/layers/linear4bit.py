@@ -149,7 +149,8 @@ def frozen_backward(ctx, grad_out, dequantized, dtype: torch.dtype):
         add_matmul_summed(grad_x, g2[:, rows[0] : rows[1]], weight)
 
     ctx.ring.backward_walk([joined(pieces)], ctx.layout, None, input_grad)
-    return grad_x.to(dtype).view(*grad_out.shape[:-1], -1), grad_bias, *rest
+    # the width named: a rank that brought no tokens (context parallelism's uneven cut) has 0 elements to infer from
+    return grad_x.to(dtype).view(*grad_out.shape[:-1], ctx.module.in_features), grad_bias, *rest
 
 
 class _DequantizedFn(torch.autograd.Function):
