@@ -226,7 +226,11 @@ def adopt_built_accelerators() -> None:
     if not state_exists():
         return
     for accelerator in [o for o in gc.get_objects() if issubclass(type(o), accelerate.Accelerator)]:
-        if _wraps_ddp_on_devices(accelerator):
+        try:
+            on_devices = _wraps_ddp_on_devices(accelerator)
+        except AttributeError:  # one whose shared state was reset since (a finished Trainer's): it prepares nothing
+            continue
+        if on_devices:
             adopt_for_trainer(accelerator)
 
 
