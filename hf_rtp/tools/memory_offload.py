@@ -32,98 +32,15 @@ and checkpoint offload's layer inputs (`--checkpoint-offload` prints those).
 
 from __future__ import annotations
 
-import copy
-import math
 from typing import Any
 
 import torch
 
 from . import memory
 
-# DeepSpeed's buckets as Trainer's `auto` config sizes them (transformers' integrations/deepspeed.py): a reduce
-# bucket of hidden_size**2 elements and a prefetch bucket of 0.9 * hidden_size**2, in bf16.
-ZERO3_BUCKETS = 1.0 + 0.9
-
-
-def pinned(nbytes: float) -> int:
-    """What torch's CachingHostAllocator takes for a pinned tensor of `nbytes`: the next power of two."""
-    nbytes = math.ceil(nbytes)
-    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-
-def _parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
-    """The model's trainable parameters, tied ones once, under their first name."""
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-
-
-def rtp_local_numels(model: Any, world_size: int) -> list[int]:
-    """Elements this rank holds of each trainable parameter under hf_rtp's plan: a rotated one's chunk (chunk 0, the
-    largest), a replicated one whole."""
-    from .. import plans
-    from ..distributed.tensors.sharding import chunk_rows
-    from ..plans.auto import auto_plan
-
-    model_type = model.config.model_type
-    plan = plans.get(model_type) if model_type in plans.supported() else auto_plan(model)
-    rotated = plan.resolve(model).rotated_params
-    numels = []
-    for name, p in _parameters(model):
-        if name in rotated and world_size > 1:
-            start, end = chunk_rows(p.shape[0], world_size, 0)
-            numels.append((end - start) * math.prod(p.shape[1:]))
-        else:
-            numels.append(p.numel())
-    return numels
-
-
-def host_bytes(
-    config,
-    world_size: int,
-    *,
-    dtype: str | torch.dtype = "auto",
-    optimizer: str = "adamw",
-    rtp_size: int | None = None,
-    pin: bool = True,
-) -> dict[str, float]:
-    """Host memory per rank that each offloading strategy's optimizer holds (see the module's docstring); `pin`:
-    the parameters are on CUDA, so the buffers that are pinned are rounded as torch's pinned allocator rounds them."""
-    k = memory.OPTIMIZER_STATES[optimizer]
-    model = memory._meta_model(config, memory._dtype(dtype, config))
-    n = world_size
-    round_up = pinned if pin else math.ceil
-
-    def staged(numels: list[int]) -> float:  # a float32 master and a gradient buffer (pinned), k moments (pageable)
-        return sum(2 * round_up(4 * numel) + k * 4 * numel for numel in numels)
-
-    fsdp2 = [math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]) for _, p in _parameters(model)]  # padded shards
-    total = sum(p.numel() for _, p in _parameters(model))
-    return {
-        "rtp-offload": staged(rtp_local_numels(model, rtp_size or n)),
-        "fsdp2-offload": staged(fsdp2),
-        "zero3-offload": (2 + k) * 4 * total / n,  # fp32 partitions of parameters and gradients, k moments
-    }
-
-
-def zero3_device(
-    config,
-    world_size: int,
-    *,
-    batch: int,
-    seq: int,
-    gradient_checkpointing: bool,
-    terms: memory.DeviceTerms,
-) -> float:
-    """DeepSpeed ZeRO-3 with offload_optimizer (bf16) on the device, per rank, before what the process holds outside
-    the allocator (see the module's docstring)."""
-    model = memory._meta_model(copy.deepcopy(config), torch.bfloat16)  # from_config sets the config's dtype
-    total = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    states = 4 * largest + 2 * total / world_size  # DeepSpeed's estimate_zero3_model_states_mem_needs
-    buckets = ZERO3_BUCKETS * config.hidden_size**2 * 2
-    activations = memory._activations(model, batch, seq, True, gradient_checkpointing)
-    logits = batch * seq * config.vocab_size * 4  # transformers' loss upcasts the logits to float32
-    return states + buckets + activations + 2 * logits + terms.in_allocator
-
+# The rows themselves are memory.py's (estimate's `optimizer_offload`, `host_bytes`); this module prints the goals'
+# table from them (memory.py does not import it)
+from .memory import host_bytes
 
 # Issue 68's goals: bf16 autocast over float32 weights, AdamW, gradient checkpointing, one sequence of 4096 tokens
 # per rank, on CUDA; (model, ranks, GB per GPU).

@@ -21,7 +21,7 @@ def params(config) -> int:
 
 
 def test_pinned_buffers_are_rounded_as_torch_s_pinned_allocator_rounds_them():
-    assert [memory_offload.pinned(b) for b in (0, 1, 3, 4096, 4097, 3 * 2**30)] == [0, 1, 4, 4096, 8192, 2**32]
+    assert [memory.pinned(b) for b in (0, 1, 3, 4096, 4097, 3 * 2**30)] == [0, 1, 4, 4096, 8192, 2**32]
 
 
 def test_offload_leaves_the_parameters_and_their_gradients_on_the_device(config):
@@ -36,7 +36,7 @@ def test_offload_leaves_the_parameters_and_their_gradients_on_the_device(config)
     sgd = memory.estimate(config, 2, optimizer="sgd", optimizer_offload=True)
     assert all(sgd[s] == two[s] for s in rows)
     # at the step the device holds the rank's rows and their gradients, in the weights' dtype
-    held = sum(memory_offload.rtp_local_numels(memory._meta_model(config, torch.float32), 2))
+    held = sum(memory.rtp_local_numels(memory._meta_model(config, torch.float32), 2))
     bf16 = memory.estimate(config, 2, dtype=torch.bfloat16, optimizer_offload=True)
     assert two["rtp-offload"] >= 2 * held * 4
     assert two["rtp-offload"] - bf16["rtp-offload"] == pytest.approx(2 * held * 2, rel=0.25)
@@ -46,18 +46,18 @@ def test_offload_leaves_the_parameters_and_their_gradients_on_the_device(config)
 
 def test_host_memory_holds_masters_gradient_buffers_and_moments_of_each_rank_s_rows(config):
     n, total = 2, params(config)
-    local = memory_offload.rtp_local_numels(memory._meta_model(config, torch.float32), n)
-    adamw = memory_offload.host_bytes(config, n, pin=False)
+    local = memory.rtp_local_numels(memory._meta_model(config, torch.float32), n)
+    adamw = memory.host_bytes(config, n, pin=False)
     assert adamw["rtp-offload"] == 16 * sum(local)  # float32 master, gradient buffer, two moments
     assert adamw["zero3-offload"] == 16 * total / n
     # FSDP2 pads each shard to ceil(rows / N) rows: at least the rank's share
     assert 16 * total / n <= adamw["fsdp2-offload"] < 16 * total / n * 1.01
     # RTP's replicated parameters (the norms) are whole on every rank: a little more than 1/N
     assert 16 * total / n < adamw["rtp-offload"] < 16 * total / n * 1.01
-    assert memory_offload.host_bytes(config, n, optimizer="sgd", pin=False)["rtp-offload"] == 8 * sum(local)
+    assert memory.host_bytes(config, n, optimizer="sgd", pin=False)["rtp-offload"] == 8 * sum(local)
     # pinned: the master and the gradient buffer rounded up to a power of two each, the moments not
-    pinned = memory_offload.host_bytes(config, n)
-    assert pinned["rtp-offload"] == sum(2 * memory_offload.pinned(4 * e) + 8 * e for e in local)
+    pinned = memory.host_bytes(config, n)
+    assert pinned["rtp-offload"] == sum(2 * memory.pinned(4 * e) + 8 * e for e in local)
     assert adamw["rtp-offload"] < pinned["rtp-offload"] < adamw["rtp-offload"] * 1.5
     assert pinned["zero3-offload"] == adamw["zero3-offload"]
 
@@ -69,7 +69,7 @@ def test_the_command_prints_the_offload_rows_and_the_host_memory_per_node(config
     out = capsys.readouterr().out
     for strategy in ("rtp-offload", "fsdp2-offload", "zero3-offload"):
         assert f"  {strategy} " in out
-    host = memory_offload.host_bytes(config, 4, dtype=torch.float32)
+    host = memory.host_bytes(config, 4, dtype=torch.float32)
     assert "host memory per node of 2 GPUs" in out
     assert f"{host['rtp-offload'] * 2 / 1e9:.1f} GB for rtp-offload" in out
     assert {k: v for k, v in result.items() if not k.endswith("-offload")} == estimate_command(argv)
