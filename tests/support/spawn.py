@@ -37,8 +37,41 @@ if multiprocessing.current_process().name != "MainProcess":
     _stacks_later()
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS_PER_WORKER = 400
+_drawn = 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port no other test and no connection will take before rank 0 binds it.
+
+    A port the kernel hands out (bind to 0) is in its ephemeral range, where every outgoing connection (gloo's,
+    another test's TCPStore clients) also draws its local port: one did take it between the draw and rank 0's bind,
+    failing a CI run. So the ports come from below that range, and each pytest-xdist worker draws from a block of
+    its own, in turn from a start that depends on its process id: two workers, or two pytest runs, never draw the
+    same port at once. A port still held (a test's TCPStore not yet closed) is skipped."""
+    global _drawn
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    blocks = max(1, (_ephemeral_low() - 10000) // _PORTS_PER_WORKER)
+    base = 10000 + (index % blocks) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = base + (os.getpid() * 7 + _drawn) % _PORTS_PER_WORKER
+        _drawn += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # the whole block held: the kernel's choice, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
