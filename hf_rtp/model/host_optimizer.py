@@ -1,10 +1,10 @@
 """Optimizer state and step in host memory: `hf_rtp.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=...)`.
 
-Each rank keeps, in host memory (pinned where the parameters are on CUDA), a float32 master copy of the rows it
-owns of every trainable parameter (a rotated parameter's local chunk, a replicated parameter whole), their
-gradients' copies and the wrapped optimizer's state, and steps torch's CPU optimizer there; the updated rows are
-copied back into the device parameter before `step()` returns. On the device stay only the parameter and its
-gradient. On a CPU device the path runs the same (host memory is then the same memory).
+Each rank keeps, in host memory, a float32 master copy of the rows it owns of every trainable parameter (a rotated
+parameter's local chunk, a replicated parameter whole) and their gradients' copies (both pinned where the
+parameters are on CUDA), and the wrapped optimizer's state, and steps torch's CPU optimizer there; the updated rows
+are copied back into the device parameter before the next forward reads them. On the device stay only the parameter
+and its gradient. On a CPU device the path runs the same (host memory is then the same memory).
 
 Why not torchao's `CPUOffloadOptimizer`: it asserts a CUDA or XPU device ("CPU Offload currently only supports
 CUDA & XPU"), and its `state_dict()` is `{"offloaded": [one optimizer's state dict per parameter]}`, with neither
@@ -23,13 +23,24 @@ What it keeps of torch's optimizer contract:
 - only the parameters that require a gradient get a master (PEFT: the adapters); one that starts to require it
   later gets its master at its first step.
 
-Masters are float32, or float64 for a float64 parameter (vanilla's AdamW steps it in float64). A parameter in its
-master's dtype has its rows copied into the master at every step, so whatever wrote them (a load,
-a user's edit) the host step starts from them. A bf16 parameter's float32 master is more than its rows: it follows
-them where their version counter shows a write, and at `load_state_dict` (the saved master, or the loaded rows); a
-write that bypasses the counter (torch.distributed.checkpoint's reader copies bytes straight into the storage) is
-seen only there. Gradients are copied at `step()`, not by post-accumulate-grad hooks during backward: clipping and
-GradScaler's unscale change them after backward, and a hook's copy would miss that.
+Masters are float32, or float64 for a float64 parameter (vanilla's AdamW steps it in float64). At every step each
+parameter's rows are copied to the host before its step, so that whatever wrote them since the last one (a load, a
+user's edit, `.data` or not) is where its step starts: a parameter in its master's dtype into its master; a narrower
+one (bf16) into a staging buffer of its own dtype, and every element that differs from its master rounded is taken
+from the rows (an unchanged element keeps its float32 master). Version counters cannot say this: in-place ops on a
+DTensor leave its local tensor's counter as it was, and foreach ops leave the DTensor's own too.
+
+The step is a pipeline over buckets of parameters (`bucket_bytes` of masters each, in the groups' order): every
+bucket's copies to the host (rows, then gradients) are queued at once on a side stream, and each bucket is stepped
+on the host as soon as its copies land, its updated rows queued back at once. So the copies each way overlap the
+host's step of the other buckets, and the host waits for no copy back: the compute stream waits for them (an event)
+before the next forward, and the next step's host waits for them before it writes a master again.
+
+Gradients are copied at `step()`, not by post-accumulate-grad hooks during backward: clipping, GradScaler's unscale
+and a user's own edits change them after backward, and no counter would show it on a rotated gradient (see above),
+so an early copy could not be known stale. The moments stay in pageable host memory: they never cross to the device
+(a training state is saved from host memory), so pinning them would only lock pages, rounded up by torch's pinned
+allocator to powers of two.
 
 Refused by name: optimizer classes other than torch's element-wise ones (`ELEMENTWISE`): 8-bit optimizers
 (bitsandbytes', torchao's) keep device state that the host step cannot hold, a factored one (Adafactor) would
@@ -46,11 +57,14 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed.tensors.rotated import RotatedTensor, rotated_rows
 from ..errors import KeywordError
-from ..private.torch_names import local_tensor, version
+from ..private.torch_names import local_tensor
 
 # torch's optimizers whose state and step are element by element: a rank's rows step as vanilla's whole tensor does
 ELEMENTWISE = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta")
 FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")  # torch's fused CPU kernels
+# masters per host step: small enough that the first bucket's copies land early and the last one's copy back is
+# short, large enough that a host step's fixed cost (tens of microseconds) stays a small part of a bucket's work
+BUCKET_BYTES = 64 << 20
 
 _REFUSED = (
     "hf_rtp.CPUOffloadOptimizer(optimizer_class={name}): the offloaded step runs torch's element-wise CPU "
@@ -86,6 +100,14 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return local_tensor(tensor) if isinstance(tensor, DTensor) else tensor.detach()
 
 
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def _index_of(by_id: dict, p: torch.Tensor):
     return next((index for index, q in by_id.items() if q is p), None)
 
@@ -104,10 +126,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             groups = [{"params": groups}]
         groups = [{**g, "params": list(g["params"])} for g in groups]
         self._masters: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host master (float32 or float64)
-        self._grads: dict[
-            torch.Tensor, torch.Tensor
-        ] = {}  # device parameter -> host gradient buffer, in the master's dtype
-        self._seen: dict[torch.Tensor, int] = {}  # device parameter -> its rows' version when master last matched
+        self._grads: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host gradient, in its master's dtype
+        self._staged: dict[torch.Tensor, torch.Tensor] = {}  # narrower parameter -> host copy of its rows, its dtype
+        self._stream: torch.cuda.Stream | None = None  # the copies' side stream, on CUDA
+        self._back: torch.cuda.Event | None = None  # the last step's copies back to the device, queued
+        self.bucket_bytes = BUCKET_BYTES
         host_groups = [{**g, "params": [self._master(p) for p in g["params"] if p.requires_grad]} for g in groups]
         self._host = optimizer_class(host_groups, **kwargs)
         self._host_group: dict[int, dict] = {}  # id(device group) -> host group
@@ -120,14 +143,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._built = True
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
+        self._wait_back()  # a new master's first copy must not race a copy back into the same rows
         rows = _rows(p)
         pin = rows.is_cuda and torch.cuda.is_available()
         dtype = torch.promote_types(rows.dtype, torch.float32)  # float32, or a float64 parameter's own
         master = torch.empty(rows.shape, dtype=dtype, device="cpu", pin_memory=pin)
         master.copy_(rows)
         self._masters[p] = master
-        self._seen[p] = version(rows)
         self._grads[p] = torch.empty(rows.shape, dtype=dtype, device="cpu", pin_memory=pin)
+        if rows.dtype != dtype:
+            self._staged[p] = torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=pin)
         return master
 
     def add_param_group(self, param_group: dict) -> None:
@@ -146,7 +171,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped = []
+        self._wait_back()  # the host writes the masters the last step's copies back read from
+        stepped: list[torch.Tensor] = []
         for group in self.param_groups:
             host = self._host_group[id(group)]
             host.update({k: v for k, v in group.items() if k != "params"})  # a scheduler's lr, say
@@ -155,25 +181,82 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     if p.grad is None:
                         continue
                     host["params"].append(self._master(p))  # trainable since the optimizer was made
-                master = self._masters[p]
-                if p.dtype == master.dtype or version(_rows(p)) != self._seen[p]:
-                    master.copy_(_rows(p), non_blocking=True)  # see "Masters" in the module's docstring
-                if p.grad is None:
-                    master.grad = None  # skipped, as torch's optimizers skip a parameter without a gradient
-                    continue
-                self._grads[p].copy_(_rows(p.grad), non_blocking=True)
-                master.grad = self._grads[p]
+                self._masters[p].grad = None  # each bucket's host step sees its own gradients only
                 stepped.append(p)
-        if any(_rows(p).is_cuda for p in stepped):
-            torch.cuda.synchronize()  # the gradients' copies are in host memory before the host step reads them
-        self._host.step()
-        for p in stepped:
-            _rows(p).copy_(self._masters[p], non_blocking=True)
-            self._seen[p] = version(_rows(p))
-        if any(_rows(p).is_cuda for p in stepped):
-            torch.cuda.synchronize()  # the rows are on the device before the next forward, and the host may write
+        buckets = self._buckets(stepped)
+        cuda = [p for p in stepped if _rows(p).is_cuda]
+        stream = self._side_stream(_rows(cuda[0]).device) if cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))  # backward, clipping, unscaling: done
+        landed = [self._copy_to_host(bucket, stream) for bucket in buckets]
+        for bucket, event in zip(buckets, landed, strict=True):
+            if event is not None:
+                event.synchronize()
+            for p in bucket:
+                self._follow_rows(p)
+                if p.grad is not None:  # else skipped, as torch's optimizers skip a parameter without a gradient
+                    self._masters[p].grad = self._grads[p]
+            self._host.step()
+            for p in bucket:
+                self._masters[p].grad = None
+            self._copy_back(bucket, stream)
+        if stream is not None:
+            self._back = stream.record_event()
+            torch.cuda.current_stream(stream.device).wait_event(self._back)  # the next forward reads the new rows
         self._mirror_state()
         return loss
+
+    def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """`params` in order, cut where a bucket's masters reach `bucket_bytes`."""
+        buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in params:
+            if buckets[-1] and size >= self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            master = self._masters[p]
+            size += master.numel() * master.element_size()
+        return [b for b in buckets if b]
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _copy_to_host(self, bucket: list[torch.Tensor], stream) -> torch.cuda.Event | None:
+        """Queue the bucket's rows (into their masters, or staged) and gradients to the host; on CUDA the event that
+        says they landed."""
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for p in bucket:
+                rows = _rows(p)
+                (self._staged.get(p, self._masters[p])).copy_(rows, non_blocking=True)
+                if p.grad is not None:
+                    grad = _rows(p.grad)
+                    self._grads[p].copy_(grad, non_blocking=True)
+                    if grad.is_cuda:
+                        grad.record_stream(stream)  # a zero_grad(set_to_none) must not free it under the copy
+            return stream.record_event() if stream is not None else None
+
+    def _follow_rows(self, p: torch.Tensor) -> None:
+        """A narrower parameter's master takes every element its rows changed since the last step's rounding."""
+        staged = self._staged.get(p)
+        if staged is not None:
+            master = self._masters[p]
+            changed = staged != master.to(staged.dtype)
+            if changed.any():
+                master[changed] = staged[changed].to(master.dtype)
+
+    def _copy_back(self, bucket: list[torch.Tensor], stream) -> None:
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for p in bucket:
+                _rows(p).copy_(self._masters[p], non_blocking=True)
+
+    def _wait_back(self) -> None:
+        """The host may write the masters again: the last step's copies back from them are done."""
+        if self._back is not None:
+            self._back.synchronize()
+            self._back = None
 
     def _mirror_state(self) -> None:
         """`self.state` maps each device parameter to its host state (the same dicts): torch.distributed.checkpoint
@@ -185,8 +268,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's layout, keyed by the device parameters' positions; a rotated parameter's state as rotated
-        tensors of this rank's rows on its mesh (on CUDA copied to the device for the call), replicated ones' as
-        host tensors."""
+        tensors of this rank's rows on its mesh, their local tensors in host memory (as FSDP2's CPUOffloadPolicy keeps
+        its shards: nothing is copied to the device for a save), replicated ones' as host tensors."""
         self._mirror_state()
         shown: defaultdict = defaultdict(dict)
         for p, state in self.state.items():
@@ -214,6 +297,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in groups]} parameters, this optimizer's "
                 f"{[len(g['params']) for g in self.param_groups]}: build the optimizer as the run that saved it did"
             )
+        self._wait_back()
         by_id: dict[int, torch.Tensor] = {}
         for saved, group in zip(groups, self.param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -234,14 +318,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     host[key] = value.detach().to("cpu", copy=True)
                 elif key == "master":
                     master.copy_(value)
-                    self._seen[p] = version(_rows(p))
                 else:
                     host[key] = value.detach().to("cpu", master.dtype, copy=True)
             self._host.state[master] = host
         for p, master in self._masters.items():  # the model's rows are loaded already (set_state_dict does them first)
             if not any(key == "master" for key in state_dict["state"].get(_index_of(by_id, p), {})):
                 master.copy_(_rows(p))
-                self._seen[p] = version(_rows(p))
         self._mirror_state()
 
     def _host_group_of(self, p: torch.Tensor) -> dict:
