@@ -208,6 +208,14 @@ def ratios(rows: list[dict]) -> list[str]:
                 f"N={n}: rings of {grid.get('rtp_size')} ({n // grid.get('rtp_size', n)} replicas) / one flat ring: "
                 f"memory {grid['peak_gb'] / rtp['peak_gb']:.2f}x, step time {grid['step_s'] / rtp['step_s']:.2f}x"
             )
+        offload = by.get(("rtp-offload", n))
+        if offload:
+            saved = rtp["peak_gb"] - offload["peak_gb"]
+            out.append(
+                f"N={n}: offloaded/device optimizer (rtp-offload/rtp): step time "
+                f"{offload['step_s'] / rtp['step_s']:.2f}x, memory {offload['peak_gb'] / rtp['peak_gb']:.2f}x "
+                f"({abs(saved):.3f} GB {'less' if saved >= 0 else 'more'} per rank)"
+            )
         zero, unfused = by.get(("rtp-zero-loss", n)), by.get(("rtp-unfused", n))
         if unfused:
             out.append(
@@ -399,6 +407,7 @@ def _run(args, sizes: list[int], strategies: list[str]) -> dict:
                 rtp_size=args.rtp_size if grid else None,
                 device=args.device,
                 tiled_mlp=memory.tiled_setting(args.tiled_mlp),
+                optimizer_offload=strategy == "rtp-offload",
             )
             if strategy == SAME_TOKENS:
                 estimates = memory.estimate(

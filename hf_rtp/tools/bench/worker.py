@@ -34,8 +34,9 @@ with contextlib.suppress(ImportError):
 # RTP variants the bench runs beside the strategies: the plain loss from full logits, a zero loss
 # that skips the head and its loss altogether (what the loss costs is the difference), rings of
 # --rtp-size ranks as data-parallel replicas (the 2-D layout) instead of one flat ring, and context
-# parallelism (one batch of sequences cut across the ring: hf_rtp.context_parallel).
-VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d", "rtp-cp")
+# parallelism (one batch of sequences cut across the ring: hf_rtp.context_parallel), and rtp with its optimizer's
+# state and step in host memory (hf_rtp.CPUOffloadOptimizer around torch's AdamW; issue 68, point 4).
+VARIANTS = ("rtp-unfused", "rtp-zero-loss", "rtp-2d", "rtp-cp", "rtp-offload")
 SHARED_BATCH = ("tp", "rtp-cp")  # every rank gets the same batch: the strategy cuts it, not the data loader
 
 
@@ -78,7 +79,7 @@ def _load(
             dtype=dtype,
             device=device,
             attn_implementation="sdpa",
-            fused_loss=strategy in ("rtp", "rtp-2d", "rtp-cp"),
+            fused_loss=strategy in ("rtp", "rtp-2d", "rtp-cp", "rtp-offload"),
             rtp_size=rtp_size if strategy == "rtp-2d" else None,
             rotation_moves="weights" if strategy == "rtp-weights" else "auto",  # decode as before tokens could move
             tiled_mlp=tiled_mlp,
@@ -292,6 +293,16 @@ def loaded_nccl() -> str | None:
     return nccl_version(code.value) if library.ncclGetVersion(ctypes.byref(code)) == 0 else None
 
 
+def make_optimizer(strategy: str, params: list) -> torch.optim.Optimizer:
+    """Every strategy's AdamW at lr 1e-5; rtp-offload's is the same AdamW stepped in host memory on each rank's rows
+    (hf_rtp.CPUOffloadOptimizer: the gradients copied to the host, the step there, the rows copied back)."""
+    if strategy == "rtp-offload":
+        import hf_rtp
+
+        return hf_rtp.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-5)
+    return torch.optim.AdamW(params, lr=1e-5)
+
+
 def _ring(model: nn.Module):
     """The ring of a rotated model (its sent_bytes count what a step puts on the wire), else None."""
     from ...model.state import state_of
@@ -370,7 +381,7 @@ def main(argv=None) -> None:
         marks["cuda_load_peak"] = torch.cuda.max_memory_allocated(device)
         marks["cuda_load_reserved"] = torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+    optimizer = make_optimizer(args.strategy, [q for q in model.parameters() if q.requires_grad])
     ring = _ring(model)
     times, losses, sent, hops = [], [], [], []
     for batch in batches:
