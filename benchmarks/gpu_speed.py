@@ -1,5 +1,6 @@
-"""What `.ci/gpu-speed` reports (issue 66, points 1 and 3): RTP beside FSDP2 and DDP at a shape users train, and
-the host time of a watched hop, in one JSON file and a few printed lines.
+"""What `.ci/gpu-speed` reports (issue 66, points 1 and 3; issue 68, point 4): RTP beside FSDP2 and DDP at a shape
+users train, RTP with its optimizer offloaded beside RTP, and the host time of a watched hop, in one JSON file and a
+few printed lines.
 
     python benchmarks/gpu_speed.py slug "NVIDIA H200"   # h200: the device's name as .ci/gpu-speed names its files
     python benchmarks/gpu_speed.py summary --bench BENCH.json [--hops HOPS.json] --mps on|off --mps-why TEXT \\
@@ -7,8 +8,10 @@ the host time of a watched hop, in one JSON file and a few printed lines.
 
 `summary` reads `hf-rtp bench`'s results.json and benchmarks/hop_latency_cuda.py's JSON, and writes one file with
 what the figures were measured on (device, torch, CUDA, NCCL built and loaded, CUDA MPS on or off and why), the
-shape, every strategy's tokens/s and max_memory_allocated per rank, the ratios RTP/FSDP2 and RTP/DDP, and the goals:
-RTP at least 0.9x FSDP2's tokens/s at most 0.9x its peak, a watched hop at most 50 us of host time. A goal not met
+shape, every strategy's tokens/s and max_memory_allocated per rank, the ratios RTP/FSDP2 and RTP/DDP, rtp-offload
+against rtp (hf_rtp.CPUOffloadOptimizer against torch's AdamW on the device: the step time's ratio, the memory per
+rank saved), and the goals: RTP at least 0.9x FSDP2's tokens/s at most 0.9x its peak, rtp-offload's step at most
+1.3x rtp's, a watched hop at most 50 us of host time. A goal not met
 is a finding, not a failure: the exit code is 0 whenever the inputs were read. Imports nothing beyond the standard
 library, so that the script can name its files before torch loads.
 """
@@ -24,6 +27,8 @@ TOKENS_GOAL = 0.9
 """RTP's tokens/s at least this times FSDP2's at the same shape"""
 PEAK_GOAL = 0.9
 """RTP's peak allocated memory per rank at most this times FSDP2's"""
+OFFLOAD_STEP_GOAL = 1.3
+"""issue 68, point 4: RTP's step time with hf_rtp.CPUOffloadOptimizer at most this times with torch's AdamW"""
 HOP_HOST_GOAL_US = 50.0
 """issue 66, point 1: the host time of one watched hop on CUDA"""
 
@@ -64,9 +69,30 @@ def ratios(bench: dict) -> dict[str, dict[str, float]]:
     }
 
 
-def goals(found: dict[str, dict[str, float]]) -> dict[str, dict]:
-    """Issue 66's goals for RTP against FSDP2, each with its ratio and whether it was met (None: FSDP2 or RTP did
-    not run)."""
+def offload(bench: dict) -> dict:
+    """rtp-offload (hf_rtp.CPUOffloadOptimizer around AdamW) against rtp (torch's AdamW on the device), the same
+    tokens a step: the step time's ratio (rtp's tokens/s over rtp-offload's), the memory per rank it saves (rtp's
+    peak less rtp-offload's, the worst ranks', GB) and the peaks' ratio, and the torch threads a rank ran the host
+    step on (the bench's --threads); where either did not run, None for each and `not_run` naming it."""
+    rows = _rows(bench)
+    rtp, off = rows.get("rtp"), rows.get("rtp-offload")
+    threads = bench.get("settings", {}).get("threads")
+    if rtp is None or off is None:
+        missing = [name for name, row in (("rtp", rtp), ("rtp-offload", off)) if row is None]
+        return {"step_time": None, "saved_gb": None, "peak": None, "host_threads": threads, "not_run": missing}
+    return {
+        "step_time": rtp["tokens_per_s"] / off["tokens_per_s"],
+        "saved_gb": rtp["peak_gb"] - off["peak_gb"],
+        "peak": off["peak_gb"] / rtp["peak_gb"],
+        "host_threads": threads,
+        "not_run": [],
+    }
+
+
+def goals(found: dict[str, dict[str, float]], offloaded: dict | None = None) -> dict[str, dict]:
+    """Issue 66's goals for RTP against FSDP2 and issue 68's for rtp-offload against rtp, each with its ratio and
+    whether it was met (None: a strategy it compares did not run)."""
+    step = None if offloaded is None else offloaded["step_time"]
     fsdp2 = found.get("fsdp2")
     tokens = None if fsdp2 is None else fsdp2["tokens_per_s"]
     peak = None if fsdp2 is None else fsdp2["peak"]
@@ -77,6 +103,11 @@ def goals(found: dict[str, dict[str, float]]) -> dict[str, dict]:
             "met": None if tokens is None else tokens >= TOKENS_GOAL,
         },
         "peak": {"goal": f"<= {PEAK_GOAL}x FSDP2's", "ratio": peak, "met": None if peak is None else peak <= PEAK_GOAL},
+        "offload_step_time": {
+            "goal": f"<= {OFFLOAD_STEP_GOAL}x rtp's (AdamW on the device)",
+            "ratio": step,
+            "met": None if step is None else step <= OFFLOAD_STEP_GOAL,
+        },
     }
 
 
@@ -96,7 +127,7 @@ def hop_host_us(hops: dict) -> dict[str, dict]:
 
 
 def summarize(bench: dict, hops: dict | None, mps: bool, mps_why: str) -> dict:
-    found = ratios(bench)
+    found, offloaded = ratios(bench), offload(bench)
     settings = bench.get("settings", {})
     return {
         "environment": bench.get("environment"),
@@ -123,14 +154,19 @@ def summarize(bench: dict, hops: dict | None, mps: bool, mps_why: str) -> dict:
         },
         "failed": [f["strategy"] for f in bench.get("failed", [])],
         "ratios": found,
-        "goals": goals(found),
+        "offload": offloaded,
+        "goals": goals(found, offloaded),
         "hop_host_us": hop_host_us(hops) if hops else None,
         "profile": next((r["profile"] for r in bench.get("results", []) if r.get("profile")), None),
         "profile_error": next((r["profile_error"] for r in bench.get("results", []) if r.get("profile_error")), None),
     }
 
 
-_NAMES = {"tokens_per_s": "tokens/s", "peak": "peak per rank"}
+_NAMES = {
+    "tokens_per_s": "tokens/s",
+    "peak": "peak per rank",
+    "offload_step_time": "step time with CPUOffloadOptimizer",
+}
 
 
 def _verdict(met: bool | None) -> str:
@@ -159,6 +195,15 @@ def lines(summary: dict) -> list[str]:
         out.append(f"  {name:<6} FAILED (see the bench's results.json)")
     for other, r in summary["ratios"].items():
         out.append(f"rtp/{other}: tokens/s {r['tokens_per_s']:.2f}x, peak per rank {r['peak']:.2f}x")
+    o = summary.get("offload")
+    if o and o["not_run"]:
+        out.append(f"rtp-offload/rtp: not measured ({' and '.join(o['not_run'])} did not run)")
+    elif o:
+        saved = f"{o['saved_gb']:.3f} GB saved" if o["saved_gb"] >= 0 else f"{-o['saved_gb']:.3f} GB more"
+        out.append(
+            f"rtp-offload/rtp: step time {o['step_time']:.2f}x, peak per rank {o['peak']:.2f}x ({saved} per rank); "
+            f"the host step on {o['host_threads']} torch thread(s) per rank"
+        )
     for key, g in summary["goals"].items():
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
         out.append(f"goal: rtp's {_NAMES[key]} {g['goal']}: {ratio}, {_verdict(g['met'])}")

@@ -61,6 +61,11 @@ def test_without_fsdp2_the_goals_are_not_measured_rather_than_missed(speed):
     goals = speed.goals(speed.ratios(_bench(_row("rtp", 900, [9.0]), _row("ddp", 2000, [20.0]))))
     assert goals["tokens_per_s"]["met"] is None and goals["peak"]["ratio"] is None
     assert speed.ratios(_bench(_row("fsdp2", 1000, [10.0]))) == {}  # no RTP: nothing to compare
+    offload = speed.offload(_bench(_row("rtp", 900, [9.0])))  # no rtp-offload: said so, not a failure
+    assert offload["not_run"] == ["rtp-offload"] and offload["step_time"] is None and offload["saved_gb"] is None
+    assert speed.goals({}, offload)["offload_step_time"]["met"] is None
+    summary = speed.summarize(_bench(_row("rtp", 900, [9.0])), None, False, "")
+    assert "rtp-offload/rtp: not measured (rtp-offload did not run)" in speed.lines(summary)
 
 
 def test_peaks_are_listed_rank_by_rank(speed):
@@ -81,6 +86,8 @@ def test_a_watched_hop_meets_its_goal_at_50_us_of_host_time(speed):
 
 def test_the_summary_file_and_lines_say_mps_shape_ratios_and_goals(speed, tmp_path, capsys):
     bench = _bench(_row("rtp", 950, [8.0, 7.5]), _row("fsdp2", 1000, [10.0, 10.0]), _row("ddp", 1900, [20.0, 20.0]))
+    bench["results"].append(_row("rtp-offload", 760, [5.0, 4.5]))  # 1.25x rtp's step time, 3 GB less a rank
+    bench["settings"]["threads"] = 8
     bench["environment"] = {
         "device_name": "NVIDIA H200",
         "torch": "2.11.0+cu130",
@@ -99,6 +106,11 @@ def test_the_summary_file_and_lines_say_mps_shape_ratios_and_goals(speed, tmp_pa
     assert "NVIDIA H200" in printed and "CUDA MPS on: server 42" in printed and "1.24B parameters" in printed
     assert "rtp/fsdp2: tokens/s 0.95x, peak per rank 0.80x" in printed
     assert "goal: rtp's tokens/s >= 0.9x FSDP2's: 0.95x, met" in printed
+    assert summary["offload"] == pytest.approx(
+        {"step_time": 1.25, "saved_gb": 3.0, "peak": 0.625, "host_threads": 8, "not_run": []}
+    )
+    assert "rtp-offload/rtp: step time 1.25x, peak per rank 0.62x (3.000 GB saved per rank)" in printed
+    assert "goal: rtp's step time with CPUOffloadOptimizer <= 1.3x rtp's (AdamW on the device): 1.25x, met" in printed
 
 
 def test_the_1b_preset_is_llama_3_2_1bs_shape():
