@@ -87,7 +87,7 @@ def test_the_dry_run_prints_one_bench_command_at_the_issues_shape(tmp_path):
     assert argv[:4] == ["python3", "-m", "hf_rtp", "bench"]
     args = options.parser().parse_args(argv[4:])  # hf-rtp bench takes it as it stands
     assert args.preset == "llama-1b" and args.world_sizes == "2" and args.device == "cuda:0"
-    assert set(args.strategies.split(",")) == {"rtp", "fsdp2", "ddp"}
+    assert args.strategies.split(",") == ["rtp", "rtp-offload", "fsdp2", "ddp"]  # RTP first, should time run out
     assert 1 <= args.batch <= 2 and 2048 <= args.seq <= 4096  # 1-2 sequences of 2048-4096 tokens per rank
     assert args.gradient_checkpointing and args.autocast and args.dtype == "float32"
     assert args.fsdp2_prefetch == 0  # FSDP2's implicit prefetch, as torchtitan's dense Llama runs it
@@ -111,11 +111,22 @@ def test_its_own_check_runs_every_stage_under_mps_and_stops_it(tmp_path):
     summary = json.loads((out / "gpu-speed-cpu.json").read_text())
     bench = json.loads((out / "gpu-speed-cpu-bench.json").read_text())
     assert summary["mps"]["on"] is True and "4242" in summary["mps"]["why"]
-    assert bench["failed"] == [] and set(summary["strategies"]) == {"rtp", "fsdp2", "ddp"}
+    assert bench["failed"] == [] and set(summary["strategies"]) == {"rtp", "rtp-offload", "fsdp2", "ddp"}
     rows = {r["strategy"]: r for r in bench["results"]}
     for name in ("fsdp2", "ddp"):  # the summary's ratios are the bench's own figures divided
         assert summary["ratios"][name]["tokens_per_s"] == rows["rtp"]["tokens_per_s"] / rows[name]["tokens_per_s"]
         assert summary["ratios"][name]["peak"] == rows["rtp"]["peak_gb"] / rows[name]["peak_gb"]
+    # rtp-offload (hf_rtp.CPUOffloadOptimizer) against rtp: the same tokens a step, so the step time's ratio is
+    # the tokens/s' inverted; the memory saved is the worst ranks' peaks' difference
+    offload, off = summary["offload"], rows["rtp-offload"]
+    assert offload["not_run"] == [] and offload["host_threads"] == 1
+    assert offload["step_time"] == rows["rtp"]["tokens_per_s"] / off["tokens_per_s"] > 0
+    assert offload["saved_gb"] == rows["rtp"]["peak_gb"] - off["peak_gb"]
+    assert offload["peak"] == off["peak_gb"] / rows["rtp"]["peak_gb"] > 0
+    assert summary["goals"]["offload_step_time"]["ratio"] == offload["step_time"]
+    assert isinstance(summary["goals"]["offload_step_time"]["met"], bool)
+    assert off["estimate_gb"] > 0  # hf-rtp estimate's rtp-offload row beside it
+    assert off["loss_first"] == rows["rtp"]["loss_first"]  # the same model and first batch, only the optimizer moved
     for name, row in summary["strategies"].items():
         assert len(row["peak_gb_per_rank"]) == 2 and max(row["peak_gb_per_rank"]) == rows[name]["peak_gb"]
     # FSDP2 as the issue asks: a unit per decoder layer (2) and the root, implicit prefetch
@@ -140,6 +151,7 @@ def test_its_own_check_runs_every_stage_under_mps_and_stops_it(tmp_path):
     assert all(os.path.getsize(f) <= 16 << 20 for f in files)
     log = (out / "gpu-speed-cpu.log").read_text()
     assert "goal: rtp's tokens/s >= 0.9x FSDP2's" in log and "rtp/ddp: tokens/s" in log
+    assert "rtp-offload/rtp: step time " in log and "goal: rtp's step time with CPUOffloadOptimizer <= 1.3x" in log
     assert "host time per watched hop (goal <= 50 us)" in log
 
 
