@@ -50,11 +50,13 @@ closure inside the step.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import log
 from ..distributed.tensors.rotated import RotatedTensor, rotated_rows
 from ..errors import KeywordError
 from ..private.torch_names import local_tensor
@@ -65,6 +67,13 @@ FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")  # torch's fused CPU kernels
 # masters per host step: small enough that the first bucket's copies land early and the last one's copy back is
 # short, large enough that a host step's fixed cost (tens of microseconds) stays a small part of a bucket's work
 BUCKET_BYTES = 64 << 20
+
+_FEW_THREADS = (
+    "hf_rtp.CPUOffloadOptimizer steps on the host with torch's intra-op threads, and this rank has 1 "
+    "(torch.get_num_threads(); torchrun and accelerate launch set OMP_NUM_THREADS=1 unless told otherwise), where "
+    "{cores} cores are free per rank of this node: the host step then takes several times as long. Set "
+    "OMP_NUM_THREADS={cores} (or call torch.set_num_threads({cores}) in each rank) before training"
+)
 
 _REFUSED = (
     "hf_rtp.CPUOffloadOptimizer(optimizer_class={name}): the offloaded step runs torch's element-wise CPU "
@@ -100,6 +109,21 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return local_tensor(tensor) if isinstance(tensor, DTensor) else tensor.detach()
 
 
+def thread_advice(on_cuda: bool, threads: int, cores: int) -> str | None:
+    """The warning for a CUDA run whose host step has one thread where the node has more cores per rank (on a CPU
+    device the host step shares the cores with the model's own work, as any optimizer does)."""
+    return _FEW_THREADS.format(cores=cores) if on_cuda and threads == 1 and cores > 1 else None
+
+
+def cores_per_rank(environ=os.environ) -> int:
+    """The cores this process may run on, shared by the node's ranks (LOCAL_WORLD_SIZE, as launchers set it)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -131,6 +155,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._stream: torch.cuda.Stream | None = None  # the copies' side stream, on CUDA
         self._back: torch.cuda.Event | None = None  # the last step's copies back to the device, queued
         self.bucket_bytes = BUCKET_BYTES
+        self._threads_checked = False
         host_groups = [{**g, "params": [self._master(p) for p in g["params"] if p.requires_grad]} for g in groups]
         self._host = optimizer_class(host_groups, **kwargs)
         self._host_group: dict[int, dict] = {}  # id(device group) -> host group
@@ -186,6 +211,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         buckets = self._buckets(stepped)
         cuda = [p for p in stepped if _rows(p).is_cuda]
         stream = self._side_stream(_rows(cuda[0]).device) if cuda else None
+        if not self._threads_checked:
+            self._threads_checked = True
+            advice = thread_advice(stream is not None, torch.get_num_threads(), cores_per_rank())
+            if advice:
+                log.warning(advice)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))  # backward, clipping, unscaling: done
         landed = [self._copy_to_host(bucket, stream) for bucket in buckets]

@@ -452,3 +452,15 @@ def test_a_bf16_weight_edited_in_place_between_steps_is_where_the_next_step_star
         assert result["changed"] == [], (rank, result)
         # if torch starts counting these, gradient copies during backward could be checked for staleness
         assert not result["clip_bumped"], "torch now bumps a DTensor's counters in foreach ops: revisit the docstring"
+
+
+def test_a_cuda_run_with_one_host_thread_is_told_how_many_cores_it_has():
+    """torchrun and accelerate launch set OMP_NUM_THREADS=1: the host AdamW would then run on one core of many."""
+    from hf_rtp.model.host_optimizer import cores_per_rank, thread_advice
+
+    advice = thread_advice(True, 1, 8)
+    assert advice is not None and "OMP_NUM_THREADS=8" in advice
+    assert thread_advice(True, 8, 8) is None and thread_advice(True, 1, 1) is None
+    assert thread_advice(False, 1, 8) is None  # on a CPU device the cores are the model's too
+    assert cores_per_rank({"LOCAL_WORLD_SIZE": str(10**6)}) == 1
+    assert cores_per_rank({}) == cores_per_rank({"LOCAL_WORLD_SIZE": "1"}) >= 1
