@@ -32,9 +32,10 @@ DTensor leave its local tensor's counter as it was, and foreach ops leave the DT
 
 The step is a pipeline over buckets of parameters (`bucket_bytes` of masters each, in the groups' order): every
 bucket's copies to the host (rows, then gradients) are queued at once on a side stream, and each bucket is stepped
-on the host as soon as its copies land, its updated rows queued back at once. So the copies each way overlap the
-host's step of the other buckets, and the host waits for no copy back: the compute stream waits for them (an event)
-before the next forward, and the next step's host waits for them before it writes a master again.
+on the host as soon as its copies land, its updated rows queued back at once on a second one (the two directions
+run at once on the GPU's copy engines). So the copies each way overlap the host's step of the other buckets, and
+the host waits for no copy back: the compute stream waits for them (an event) before the next forward, and the
+next step's host waits for them before it writes a master again.
 
 Gradients are copied at `step()`, not by post-accumulate-grad hooks during backward: clipping, GradScaler's unscale
 and a user's own edits change them after backward, and no counter would show it on a rotated gradient (see above),
@@ -152,7 +153,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._masters: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host master (float32 or float64)
         self._grads: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> host gradient, in its master's dtype
         self._staged: dict[torch.Tensor, torch.Tensor] = {}  # narrower parameter -> host copy of its rows, its dtype
-        self._stream: torch.cuda.Stream | None = None  # the copies' side stream, on CUDA
+        self._streams: tuple | None = None  # CUDA side streams, to the host and back: copies both ways at once
         self._back: torch.cuda.Event | None = None  # the last step's copies back to the device, queued
         self.bucket_bytes = BUCKET_BYTES
         self._threads_checked = False
@@ -210,14 +211,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 stepped.append(p)
         buckets = self._buckets(stepped)
         cuda = [p for p in stepped if _rows(p).is_cuda]
-        stream = self._side_stream(_rows(cuda[0]).device) if cuda else None
+        streams = self._side_streams(_rows(cuda[0]).device) if cuda else None
+        stream, back = streams if streams is not None else (None, None)
         if not self._threads_checked:
             self._threads_checked = True
             advice = thread_advice(stream is not None, torch.get_num_threads(), cores_per_rank())
             if advice:
                 log.warning(advice)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))  # backward, clipping, unscaling: done
+        if stream is not None and back is not None:
+            for side in (stream, back):  # backward, clipping, unscaling and whatever else reads the rows: done
+                side.wait_stream(torch.cuda.current_stream(stream.device))
         landed = [self._copy_to_host(bucket, stream) for bucket in buckets]
         for bucket, event in zip(buckets, landed, strict=True):
             if event is not None:
@@ -229,10 +232,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._host.step()
             for p in bucket:
                 self._masters[p].grad = None
-            self._copy_back(bucket, stream)
-        if stream is not None:
-            self._back = stream.record_event()
-            torch.cuda.current_stream(stream.device).wait_event(self._back)  # the next forward reads the new rows
+            self._copy_back(bucket, back)
+        if back is not None:
+            self._back = back.record_event()
+            torch.cuda.current_stream(back.device).wait_event(self._back)  # the next forward reads the new rows
         self._mirror_state()
         return loss
 
@@ -249,10 +252,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             size += master.numel() * master.element_size()
         return [b for b in buckets if b]
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+    def _side_streams(self, device: torch.device) -> tuple:
+        if self._streams is None or self._streams[0].device != device:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams
 
     def _copy_to_host(self, bucket: list[torch.Tensor], stream) -> torch.cuda.Event | None:
         """Queue the bucket's rows (into their masters, or staged) and gradients to the host; on CUDA the event that
