@@ -189,6 +189,8 @@ def unreadable(name: str, err: Exception) -> str:
 def _meta_model(config, dtype: torch.dtype) -> Any:  # a transformers model on meta
     from transformers import AutoModelForCausalLM
 
+    # from_config sets config.dtype to `dtype`: on the caller's config, a later "auto" would read this call's dtype
+    config = copy.deepcopy(config)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -680,17 +682,21 @@ def host_bytes(
     """Host memory per rank that each offloading strategy's optimizer holds (see the module's docstring); `pin`:
     the parameters are on CUDA, so the buffers that are pinned are rounded as torch's pinned allocator rounds them."""
     k = OPTIMIZER_STATES[optimizer]
-    model = _meta_model(config, _dtype(dtype, config))
+    weights = _dtype(dtype, config)
+    model = _meta_model(config, weights)
     n = world_size
     round_up = pinned if pin else math.ceil
+    # CPUOffloadOptimizer stages a narrower parameter's rows (bf16) in their own dtype, pinned, to follow writes
+    narrow = weights.itemsize if weights.itemsize < 4 else 0
 
-    def staged(numels: list[int]) -> float:  # a float32 master and a gradient buffer (pinned), k moments (pageable)
-        return sum(2 * round_up(4 * numel) + k * 4 * numel for numel in numels)
+    def staged(numels: list[int], rows: int = 0) -> float:
+        # a float32 master and a gradient buffer (pinned), k moments (pageable), and `rows` bytes an element staged
+        return sum(2 * round_up(4 * numel) + k * 4 * numel + round_up(rows * numel) for numel in numels)
 
     fsdp2 = [math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]) for _, p in _trainable(model)]  # padded shards
     total = sum(p.numel() for _, p in _trainable(model))
     return {
-        "rtp-offload": staged(rtp_local_numels(model, rtp_size or n)),
+        "rtp-offload": staged(rtp_local_numels(model, rtp_size or n), narrow),
         "fsdp2-offload": staged(fsdp2),
         "zero3-offload": (2 + k) * 4 * total / n,  # fp32 partitions of parameters and gradients, k moments
     }

@@ -9,8 +9,9 @@ Three ways to keep the optimizer in host memory, each counted per rank on the de
                  own dtype (float32 under "bf16 autocast over float32 weights"; bf16 when the model is loaded in bf16,
                  with float32 masters on the host) and their gradients until step(); the host keeps, for this rank's
                  rows of every trainable parameter, a pinned float32 master, a pinned float32 gradient buffer
-                 (the staging the step copies the gradient into) and the optimizer's moments (AdamW: two, float32,
-                 pageable: the host optimizer makes them with zeros_like, which does not pin).
+                 (the staging the step copies the gradient into), for a bf16 parameter a pinned bf16 copy of its
+                 rows (the step compares them with the master, to follow writes) and the optimizer's moments (AdamW:
+                 two, float32, pageable: they never cross to the device).
   fsdp2-offload: FSDP2 with CPUOffloadPolicy(pin_memory=True) (accelerate's `cpu_offload`): sharded float32
                  parameters and gradients pinned in host memory, the step on the CPU; the device holds the unsharded
                  root and layers in bf16 (MixedPrecisionPolicy) beside the activations.

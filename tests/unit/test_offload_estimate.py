@@ -55,6 +55,11 @@ def test_host_memory_holds_masters_gradient_buffers_and_moments_of_each_rank_s_r
     # RTP's replicated parameters (the norms) are whole on every rank: a little more than 1/N
     assert 16 * total / n < adamw["rtp-offload"] < 16 * total / n * 1.01
     assert memory.host_bytes(config, n, optimizer="sgd", pin=False)["rtp-offload"] == 8 * sum(local)
+    # bf16 weights: each rank's rows staged in bf16 too (the step follows writes to them), 2 bytes an element more
+    bf16 = memory.host_bytes(config, n, dtype=torch.bfloat16, pin=False)
+    assert bf16["rtp-offload"] - adamw["rtp-offload"] == 2 * sum(local)
+    assert bf16["fsdp2-offload"] == adamw["fsdp2-offload"]
+    assert memory.host_bytes(config, n, pin=False) == adamw  # "auto" is still the config's dtype, not the last one's
     # pinned: the master and the gradient buffer rounded up to a power of two each, the moments not
     pinned = memory.host_bytes(config, n)
     assert pinned["rtp-offload"] == sum(2 * memory.pinned(4 * e) + 8 * e for e in local)
