@@ -90,7 +90,7 @@ def test_the_dry_run_prints_one_bench_command_at_the_issues_shape(tmp_path):
     assert args.strategies.split(",") == ["rtp", "rtp-offload", "fsdp2", "ddp"]  # RTP first, should time run out
     assert 1 <= args.batch <= 2 and 2048 <= args.seq <= 4096  # 1-2 sequences of 2048-4096 tokens per rank
     assert args.gradient_checkpointing and args.autocast and args.dtype == "float32"
-    assert args.threads == 1  # GPU_SPEED_THREADS unset: the bench's default
+    assert args.threads == 8  # GPU_SPEED_THREADS unset: 8 a rank on a GPU, for rtp-offload's host step
     assert args.fsdp2_prefetch == 0  # FSDP2's implicit prefetch, as torchtitan's dense Llama runs it
     assert args.profile and args.profile_strategies == "rtp"
     hops = next(line for line in done.stdout.splitlines() if line.startswith("hops: "))
