@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import accelerate
 import torch
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from .. import log
 from ..errors import IntegrationError, SettingError, TopologyError
@@ -219,7 +219,8 @@ def adopt(accelerator, model) -> None:
 
 def adopt_built_accelerators() -> None:
     """A plain `accelerate.Accelerator` built before a rotated model is loaded (run_clm_no_trainer.py builds it
-    first), on accelerator devices: its `prepare` would refuse the model (`_wraps_ddp_on_devices`), so it gets
+    first), on accelerator devices: its `prepare` would refuse the model (`_wraps_ddp_on_devices`), or under FSDP
+    shard it again (hf_rtp's prepare refuses that by name), so it gets
     hf_rtp's `prepare_model` now, on that instance only (`adopt_for_trainer`). One walk over the collector's
     objects per load, only where an Accelerator's state exists; one built after the load is refused by accelerate
     itself on GPUs (docs/integrations.md: build it first, or build hf_rtp.Accelerator)."""
@@ -227,10 +228,11 @@ def adopt_built_accelerators() -> None:
         return
     for accelerator in [o for o in gc.get_objects() if issubclass(type(o), accelerate.Accelerator)]:
         try:
-            on_devices = _wraps_ddp_on_devices(accelerator)
+            # on devices accelerate would refuse the model; under FSDP it would shard it again (_FSDP_REFUSED)
+            wanted = _wraps_ddp_on_devices(accelerator) or accelerator.distributed_type == DistributedType.FSDP
         except AttributeError:  # one whose shared state was reset since (a finished Trainer's): it prepares nothing
             continue
-        if on_devices:
+        if wanted:
             adopt_for_trainer(accelerator)
 
 
@@ -248,6 +250,15 @@ def adopt_for_trainer(accelerator) -> None:
             setattr(accelerator, name, types.MethodType(replacement, accelerator))
 
 
+_FSDP_REFUSED = (
+    "accelerate is set up for FSDP (an fsdp_config, Trainer's --fsdp, ACCELERATE_USE_FSDP), which would shard the "
+    "rotated model's parameters again: they are RTP's rows already, each rank holding 1/N of every weight. Train a "
+    "rotated model without FSDP (as DDP: each rank on its own data). For FSDP's cpu_offload (CPUOffloadPolicy), the "
+    "optimizer's state and step in host memory, build hf_rtp.CPUOffloadOptimizer(model.parameters(), "
+    "torch.optim.AdamW, lr=...) and pass it to prepare (Trainer: optimizers=(it, None)); docs/integrations.md"
+)
+
+
 def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
     """accelerate's prepare_model, where an evaluation-mode prepare of a rotated model leaves it unmarked. accelerate
     1.15 marks every prepared model and returns a marked one as it is: after Trainer's evaluate() (evaluation mode,
@@ -256,6 +267,8 @@ def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
     The prepare for training then wraps it in DDP, replacing its evaluation-mode entry."""
     if state_of(model, required=False) is None:
         return accelerate.Accelerator.prepare_model(self, model, device_placement, evaluation_mode)
+    if self.distributed_type == DistributedType.FSDP:
+        raise IntegrationError(_FSDP_REFUSED)
     if not evaluation_mode:
         models, optimizers = prepared(self)
         set_prepared(self, [m for m in models if m is not model], optimizers)

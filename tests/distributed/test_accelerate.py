@@ -202,8 +202,14 @@ def _on_devices(ckpt, plain):
         def multi_device(self):
             return True
 
+    class UnderFSDP(base):  # type: ignore[misc, valid-type]
+        @property
+        def distributed_type(self):  # what an fsdp_config (with cpu_offload, say) sets on GPUs
+            return accelerate.utils.DistributedType.FSDP
+
     # plain: built before the load, as run_clm_no_trainer.py builds it (one built after is accelerate's to refuse)
     accelerator = OnDevices(cpu=True)
+    fsdp = UnderFSDP(cpu=True)
     rank, world = accelerator.process_index, accelerator.num_processes
     batch = global_batch(world, seed=3)[rank]
     grads = []
@@ -218,11 +224,17 @@ def _on_devices(ckpt, plain):
         assert getattr(model, "_is_accelerate_prepared", False) and "_is_accelerate_prepared" not in unwrapped.__dict__
     vanilla, rotated = grads
     assert vanilla.keys() == rotated.keys()
+
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64).train()
+    with pytest.raises(hf_rtp.IntegrationError, match="set up for FSDP") as refused:
+        fsdp.prepare(model)
+    assert "hf_rtp.CPUOffloadOptimizer" in str(refused.value) and "cpu_offload" in str(refused.value)
     return {n: (rotated[n] - vanilla[n]).abs().max().item() / vanilla[n].abs().max().item() for n in vanilla}
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["hf_rtp-accelerator", "plain-accelerator"])
 def test_accelerates_multi_device_prepare_wraps_a_rotated_model_in_ddp(tmp_path, plain):
+    """... and one set up for FSDP (its cpu_offload) refuses the rotated model by name, naming CPUOffloadOptimizer."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     for gaps in run_on_ranks(_on_devices, 2, ckpt, plain):
         # every gradient DDP's, averaged over both ranks' batches, before any optimizer (float64: to rounding)
