@@ -464,3 +464,67 @@ def test_a_cuda_run_with_one_host_thread_is_told_how_many_cores_it_has():
     assert thread_advice(False, 1, 8) is None  # on a CPU device the cores are the model's too
     assert cores_per_rank({"LOCAL_WORLD_SIZE": str(10**6)}) == 1
     assert cores_per_rank({}) == cores_per_rank({"LOCAL_WORLD_SIZE": "1"}) >= 1
+
+
+def _scaled(ckpt):
+    """GradScaler around both optimizers (float32 weights, scaled losses): three steps, the second with an inf in
+    a rotated gradient's rows on rank 0 (vanilla's: on every rank, DDP's gradients being whole), which GradScaler
+    must skip on every rank for both (DTensor's unscale reduces found_inf over the ring). Returns the largest weight
+    gap after each step and each scaler's scales."""
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import hf_rtp
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = hf_rtp.from_pretrained(ckpt, dtype=torch.float32).train()
+    vanilla = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).train()
+    ours, theirs = _optimizer(model), torch.optim.AdamW(vanilla.parameters(), lr=LR, eps=EPS, weight_decay=DECAY)
+    ddp = DistributedDataParallel(vanilla)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2)]
+    reference = dict(vanilla.named_parameters())
+    gaps, scales = [], []
+    for step in range(3):
+        batch = _batches(world, step, 0)[rank]
+        scalers[0].scale(model(input_ids=batch, labels=batch).loss).backward()
+        scalers[1].scale(ddp(input_ids=batch, labels=batch).loss).backward()
+        hf_rtp.sync_grads(model)
+        if step == 1:  # an overflow in a rotated gradient's rows rank 0 holds; vanilla's every rank holds whole
+            name, p = next((n, p) for n, p in model.named_parameters() if _rotated(p))
+            if rank == 0:
+                p.grad.to_local()[0, 0] = float("inf")
+            reference[name].grad[rows(p, world, 0)][0, 0] = float("inf")
+        for scaler, optimizer in zip(scalers, (ours, theirs), strict=True):
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters() if optimizer is ours else vanilla.parameters(), CLIP)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        gaps.append(
+            max(
+                (
+                    _local(p, world, rank, p)
+                    - (reference[n].detach()[rows(p, world, rank)] if _rotated(p) else reference[n].detach())
+                )
+                .abs()
+                .max()
+                .item()
+                for n, p in model.named_parameters()
+            )
+        )
+        scales.append([s.get_scale() for s in scalers])
+    return {"gaps": gaps, "scales": scales, "steps": [float(ours.state[p]["step"]) for p in list(ours._masters)[:1]]}
+
+
+def test_grad_scaler_unscales_skips_an_overflow_and_steps_like_vanilla_ddp(tmp_path):
+    """Issue 68 point 1's GradScaler: unscale_, clip_grad_norm_ and scaler.step around the offloaded optimizer,
+    beside vanilla DDP with torch's AdamW and its own scaler; an inf on one rank's gradient in step 2 halves both
+    scales and skips that step on every rank (the host step never runs it), rank 1 too, which holds other rows, and
+    the weights stay vanilla's."""
+    ckpt = make_tiny("llama", tmp_path / "ckpt")
+    for rank, result in enumerate(run_on_ranks(_scaled, 2, ckpt)):
+        print(f"rank {rank}: weight gaps {result['gaps']}, scales {result['scales']}, steps {result['steps']}")
+        assert max(result["gaps"]) < STEP_ATOL, (rank, result)
+        assert [a == b for a, b in result["scales"]] == [True] * 3, result["scales"]
+        assert result["scales"][1][0] == result["scales"][0][0] / 2, result["scales"]  # the overflow's backoff
+        assert float(result["steps"][0]) == 2.0, result["steps"]  # three steps, the overflowed one skipped
