@@ -15,8 +15,9 @@ runs in that world. Each variant, from the same checkpoint, three models side by
   apart from tiling, which rounds each tile's weight gradient to bf16 where vanilla's one matmul rounds once;
 - lora-bf16: LoRA adapters (PEFT's defaults, all linear layers) on a bf16 base, checkpointing on;
 - offload-optimizer: float32, checkpointing on, hf_rtp's model stepped by `hf_rtp.CPUOffloadOptimizer` around AdamW
-  (issue 68), vanilla's by AdamW on the device; its state must be in host memory, the masters pinned on CUDA. Not
-  run on the CPU by default: test_offload_optimizer.py compares it there, exactly;
+  (issue 68), vanilla's by AdamW on the device; its state must be in host memory, the masters pinned on CUDA, and
+  its training state saved and loaded into a fresh one must be equal. Not run on the CPU by default:
+  test_offload_optimizer.py compares it there, exactly;
 
 and for each: hf_rtp, vanilla DDP, and vanilla DDP with every rank's batch in reversed order (the noise floor,
 noise_floor.py). Before any optimizer step the first backward's gradients are compared (hf_rtp's rotated ones as
@@ -120,7 +121,7 @@ def _trainable_grads(model, world, rank, rows_of=None):
     return out
 
 
-def _variant(ckpt, name, device, steps, seq, vocab):
+def _variant(ckpt, name, device, steps, seq, vocab, out):
     """One variant's three models through the same loop: gaps before the first step, losses of every step."""
     import torch
     import torch.distributed as dist
@@ -190,6 +191,19 @@ def _variant(ckpt, name, device, steps, seq, vocab):
         )
         result["masters_pinned"] = all(m.is_pinned() for m in host._masters.values())
         result["masters"] = len(host._masters)
+        # its training state saved from host memory (rotated tensors with host rows) and loaded into a fresh one
+        import hf_rtp
+
+        folder = os.path.join(out, "offload-state")
+        hf_rtp.save_training_state(folder, rtp, host)
+        fresh = hf_rtp.CPUOffloadOptimizer([p for p in rtp.parameters() if p.requires_grad], torch.optim.AdamW, lr=LR)
+        hf_rtp.load_training_state(folder, rtp, fresh)
+        result["resumed_state_gaps"] = sorted(
+            f"{n}.{k}"
+            for n, p in rtp.named_parameters()
+            for k, v in host.state.get(p, {}).items()
+            if torch.is_tensor(v) and not torch.equal(v, fresh.state[p][k])
+        )
     result.update(
         losses=losses,
         rotated=sum(hasattr(p, "to_local") for p in rtp.parameters()),
@@ -239,7 +253,7 @@ def rank_main(args) -> None:
     before = dist.is_initialized()
     results: dict = {"world_started_before_hf_rtp": before, "variants": {}}
     for name in args.variants:
-        results["variants"][name] = _variant(args.ckpt, name, device, args.steps, args.seq, args.vocab)
+        results["variants"][name] = _variant(args.ckpt, name, device, args.steps, args.seq, args.vocab, args.out)
         if name == args.variants[0]:
             results["backend"] = str(dist.get_backend())
     results["generate"] = _generate(args.ckpt, device, args.vocab)
@@ -274,6 +288,8 @@ def judge(ranks: list[dict], steps: int) -> list[str]:
                     failures.append(f"{where}: optimizer state on {v['state_places']}, {v['masters']} masters")
                 if v["places"] != ["cpu"] and not v["masters_pinned"]:
                     failures.append(f"{where}: the host masters of a CUDA model are not pinned")
+                if v["resumed_state_gaps"]:
+                    failures.append(f"{where}: saved and loaded, the state differs at {v['resumed_state_gaps'][:5]}")
         for mode, tokens in result["generate"].items():
             if tokens["rtp"] != tokens["vanilla"]:
                 failures.append(f"rank {rank}: {mode} generate gave {tokens['rtp']}, vanilla {tokens['vanilla']}")
