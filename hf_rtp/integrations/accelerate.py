@@ -130,6 +130,17 @@ class Accelerator(accelerate.Accelerator):
             return _prepare_model(self, model, device_placement, evaluation_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
+    # accelerate's prepare under FSDP2, DeepSpeed or Megatron-LM, which never call prepare_model: refused for a
+    # rotated model by name (_SHARDED_AGAIN)
+    def _prepare_fsdp2(self, *args):
+        return _refusing("_prepare_fsdp2")(self, *args)
+
+    def _prepare_deepspeed(self, *args):
+        return _refusing("_prepare_deepspeed")(self, *args)
+
+    def _prepare_megatron_lm(self, *args):
+        return _refusing("_prepare_megatron_lm")(self, *args)
+
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         return save_state(self, output_dir, safe_serialization, **save_model_func_kwargs)
 
@@ -217,10 +228,13 @@ def adopt(accelerator, model) -> None:
         )
 
 
+_SHARDING_TYPES = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
 def adopt_built_accelerators() -> None:
     """A plain `accelerate.Accelerator` built before a rotated model is loaded (run_clm_no_trainer.py builds it
-    first), on accelerator devices: its `prepare` would refuse the model (`_wraps_ddp_on_devices`), or under FSDP
-    shard it again (hf_rtp's prepare refuses that by name), so it gets
+    first), on accelerator devices: its `prepare` would refuse the model (`_wraps_ddp_on_devices`), or under FSDP,
+    DeepSpeed or Megatron-LM shard it again (hf_rtp's prepare refuses those by name), so it gets
     hf_rtp's `prepare_model` now, on that instance only (`adopt_for_trainer`). One walk over the collector's
     objects per load, only where an Accelerator's state exists; one built after the load is refused by accelerate
     itself on GPUs (docs/integrations.md: build it first, or build hf_rtp.Accelerator)."""
@@ -229,7 +243,7 @@ def adopt_built_accelerators() -> None:
     for accelerator in [o for o in gc.get_objects() if issubclass(type(o), accelerate.Accelerator)]:
         try:
             # on devices accelerate would refuse the model; under FSDP it would shard it again (_FSDP_REFUSED)
-            wanted = _wraps_ddp_on_devices(accelerator) or accelerator.distributed_type == DistributedType.FSDP
+            wanted = _wraps_ddp_on_devices(accelerator) or accelerator.distributed_type in _SHARDING_TYPES
         except AttributeError:  # one whose shared state was reset since (a finished Trainer's): it prepares nothing
             continue
         if wanted:
@@ -243,20 +257,44 @@ def adopt_for_trainer(accelerator) -> None:
     model) and `prepare_model` (`_prepare_model`: the prepare for training then wraps the model in DDP)."""
     if accelerator.__dict__.get(_ADOPTED):
         return
-    for name, replacement in (("maybe_context_parallel", maybe_context_parallel), ("prepare_model", _prepare_model)):
+    replacements = [("maybe_context_parallel", maybe_context_parallel), ("prepare_model", _prepare_model)]
+    replacements += [(name, _refusing(name)) for name in _OTHER_SHARDERS if hasattr(accelerate.Accelerator, name)]
+    for name, replacement in replacements:
         if name not in accelerator.__dict__ and getattr(type(accelerator), name) is getattr(
             accelerate.Accelerator, name
         ):
             setattr(accelerator, name, types.MethodType(replacement, accelerator))
 
 
-_FSDP_REFUSED = (
-    "accelerate is set up for FSDP (an fsdp_config, Trainer's --fsdp, ACCELERATE_USE_FSDP), which would shard the "
-    "rotated model's parameters again: they are RTP's rows already, each rank holding 1/N of every weight. Train a "
-    "rotated model without FSDP (as DDP: each rank on its own data). For FSDP's cpu_offload (CPUOffloadPolicy), the "
-    "optimizer's state and step in host memory, build hf_rtp.CPUOffloadOptimizer(model.parameters(), "
-    "torch.optim.AdamW, lr=...) and pass it to prepare (Trainer: optimizers=(it, None)); docs/integrations.md"
+_SHARDED_AGAIN = (
+    "accelerate is set up for {what}, which would shard the rotated model's parameters again: they are RTP's rows "
+    "already, each rank holding 1/N of every weight. Train a rotated model without it (as under DDP: each rank on "
+    "its own data). For {offload}, the optimizer's state and step in host memory, build "
+    "hf_rtp.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=...) and pass it to prepare (Trainer: "
+    "optimizers=(it, None)); docs/integrations.md"
 )
+_FSDP = ("FSDP (an fsdp_config, Trainer's --fsdp, ACCELERATE_USE_FSDP)", "FSDP's cpu_offload (CPUOffloadPolicy)")
+_FSDP_REFUSED = _SHARDED_AGAIN.format(what=_FSDP[0], offload=_FSDP[1])
+# accelerate's prepare hands every object at once to these instead of prepare_model: each is refused for a rotated one
+_OTHER_SHARDERS = {
+    "_prepare_fsdp2": _FSDP,
+    "_prepare_deepspeed": (
+        "DeepSpeed (a deepspeed_config, Trainer's --deepspeed, ACCELERATE_USE_DEEPSPEED)",
+        "ZeRO-Offload (offload_optimizer)",
+    ),
+    "_prepare_megatron_lm": ("Megatron-LM (a megatron_lm_config)", "optimizer offload"),
+}
+
+
+def _refusing(name: str):
+    def prepare(self, *args):
+        if any(isinstance(a, torch.nn.Module) and is_rotated(a) for a in args):
+            what, offload = _OTHER_SHARDERS[name]
+            raise IntegrationError(_SHARDED_AGAIN.format(what=what, offload=offload))
+        return getattr(accelerate.Accelerator, name)(self, *args)
+
+    prepare.__name__ = name
+    return prepare
 
 
 def _prepare_model(self, model, device_placement=None, evaluation_mode=False):

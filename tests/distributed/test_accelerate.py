@@ -202,14 +202,21 @@ def _on_devices(ckpt, plain):
         def multi_device(self):
             return True
 
-    class UnderFSDP(base):  # type: ignore[misc, valid-type]
-        @property
-        def distributed_type(self):  # what an fsdp_config (with cpu_offload, say) sets on GPUs
-            return accelerate.utils.DistributedType.FSDP
+    def under(kind, fsdp2=False):  # what an fsdp_config (with cpu_offload, say) or a deepspeed_config sets on GPUs
+        class Under(base):  # type: ignore[misc, valid-type]
+            distributed_type = property(lambda self: kind)
+            is_fsdp2 = property(lambda self: fsdp2)
+
+        return Under(cpu=True)
 
     # plain: built before the load, as run_clm_no_trainer.py builds it (one built after is accelerate's to refuse)
     accelerator = OnDevices(cpu=True)
-    fsdp = UnderFSDP(cpu=True)
+    kinds = accelerate.utils.DistributedType
+    sharding = {
+        "set up for FSDP": under(kinds.FSDP),  # FSDP1: accelerate's prepare_model
+        "set up for FSDP (": under(kinds.FSDP, fsdp2=True),  # FSDP2: accelerate's _prepare_fsdp2, all at once
+        "set up for DeepSpeed": under(kinds.DEEPSPEED),  # accelerate's _prepare_deepspeed
+    }
     rank, world = accelerator.process_index, accelerator.num_processes
     batch = global_batch(world, seed=3)[rank]
     grads = []
@@ -226,15 +233,19 @@ def _on_devices(ckpt, plain):
     assert vanilla.keys() == rotated.keys()
 
     model = hf_rtp.from_pretrained(ckpt, dtype=torch.float64).train()
-    with pytest.raises(hf_rtp.IntegrationError, match="set up for FSDP") as refused:
-        fsdp.prepare(model)
-    assert "hf_rtp.CPUOffloadOptimizer" in str(refused.value) and "cpu_offload" in str(refused.value)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for expected, other in sharding.items():
+        with pytest.raises(hf_rtp.IntegrationError) as refused:
+            other.prepare(model, optimizer)
+        assert expected in str(refused.value) and "hf_rtp.CPUOffloadOptimizer" in str(refused.value), refused.value
+    assert "ZeRO-Offload" in str(refused.value)
     return {n: (rotated[n] - vanilla[n]).abs().max().item() / vanilla[n].abs().max().item() for n in vanilla}
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["hf_rtp-accelerator", "plain-accelerator"])
 def test_accelerates_multi_device_prepare_wraps_a_rotated_model_in_ddp(tmp_path, plain):
-    """... and one set up for FSDP (its cpu_offload) refuses the rotated model by name, naming CPUOffloadOptimizer."""
+    """... and one set up for FSDP (its cpu_offload), FSDP2 or DeepSpeed (ZeRO-Offload) refuses the rotated model by
+    name, naming CPUOffloadOptimizer."""
     ckpt = make_tiny("llama", tmp_path / "ckpt")
     for gaps in run_on_ranks(_on_devices, 2, ckpt, plain):
         # every gradient DDP's, averaged over both ranks' batches, before any optimizer (float64: to rounding)
