@@ -106,9 +106,9 @@ def test_the_summary_file_and_lines_say_mps_shape_ratios_and_goals(speed, tmp_pa
     assert "NVIDIA H200" in printed and "CUDA MPS on: server 42" in printed and "1.24B parameters" in printed
     assert "rtp/fsdp2: tokens/s 0.95x, peak per rank 0.80x" in printed
     assert "goal: rtp's tokens/s >= 0.9x FSDP2's: 0.95x, met" in printed
-    assert summary["offload"] == pytest.approx(
-        {"step_time": 1.25, "saved_gb": 3.0, "peak": 0.625, "host_threads": 8, "not_run": []}
-    )
+    offload = dict(summary["offload"])
+    assert offload.pop("not_run") == [] and offload.pop("host_threads") == 8  # approx takes no nested values
+    assert offload == pytest.approx({"step_time": 1.25, "saved_gb": 3.0, "peak": 0.625})
     assert "rtp-offload/rtp: step time 1.25x, peak per rank 0.62x (3.000 GB saved per rank)" in printed
     assert "goal: rtp's step time with CPUOffloadOptimizer <= 1.3x rtp's (AdamW on the device): 1.25x, met" in printed
 
