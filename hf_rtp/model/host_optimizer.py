@@ -51,6 +51,7 @@ closure inside the step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 
@@ -123,14 +124,6 @@ def cores_per_rank(environ=os.environ) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _index_of(by_id: dict, p: torch.Tensor):
@@ -260,7 +253,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _copy_to_host(self, bucket: list[torch.Tensor], stream) -> torch.cuda.Event | None:
         """Queue the bucket's rows (into their masters, or staged) and gradients to the host; on CUDA the event that
         says they landed."""
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for p in bucket:
                 rows = _rows(p)
                 (self._staged.get(p, self._masters[p])).copy_(rows, non_blocking=True)
@@ -281,7 +274,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 master[changed] = staged[changed].to(master.dtype)
 
     def _copy_back(self, bucket: list[torch.Tensor], stream) -> None:
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for p in bucket:
                 _rows(p).copy_(self._masters[p], non_blocking=True)
 
